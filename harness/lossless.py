@@ -1,0 +1,82 @@
+"""Losslessness: greedy AR reference outputs (cached on disk) and the per-sample comparison against them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from harness.models import ModelIdentity
+from harness.paths import cache_dir
+from harness.target import TargetRuntime
+
+
+class ReferenceCache:
+    """Greedy AR outputs keyed by (model weights, dtype, device) file and (prompt ids, max_new_tokens) line."""
+
+    def __init__(self, identity: ModelIdentity, dtype: str, device: str, root: Path | None = None):
+        root = root or cache_dir() / "references"
+        self.path = root / f"{identity.weights_sha256[:16]}-{dtype}-{device.split(':')[0]}.jsonl"
+        self._entries: dict[str, list[int]] | None = None
+
+    @staticmethod
+    def key(prompt_ids: list[int], max_new_tokens: int) -> str:
+        return f"{hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:24]}-{max_new_tokens}"
+
+    def _load(self) -> dict[str, list[int]]:
+        if self._entries is None:
+            self._entries = {}
+            if self.path.exists():
+                for line in self.path.read_text().splitlines():
+                    try:
+                        row = json.loads(line)
+                        self._entries[row["key"]] = row["output_ids"]
+                    except (ValueError, KeyError):
+                        continue  # a torn line from an interrupted write: that entry is recomputed
+        return self._entries
+
+    def get(self, prompt_ids: list[int], max_new_tokens: int) -> list[int] | None:
+        return self._load().get(self.key(prompt_ids, max_new_tokens))
+
+    def put(self, prompt_ids: list[int], max_new_tokens: int, output_ids: list[int]) -> None:
+        key = self.key(prompt_ids, max_new_tokens)
+        self._load()[key] = output_ids
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps({"key": key, "output_ids": output_ids}) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def first_divergence(output: list[int], reference: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None if identical."""
+    for i, (a, b) in enumerate(zip(output, reference)):
+        if a != b:
+            return i
+    return None if len(output) == len(reference) else min(len(output), len(reference))
+
+
+def top2_margin(target: TargetRuntime, prompt_ids: list[int], reference: list[int], index: int) -> float:
+    """The target's top-1 minus top-2 logit where the reference chose token `index` (teacher-forced)."""
+    target.reset()
+    ids = torch.tensor(prompt_ids + reference[:index])
+    logits, _ = target.forward(ids, start=0)
+    top = torch.topk(logits[-1], 2).values
+    return float(top[0] - top[1])
+
+
+def compare(target: TargetRuntime, prompt_ids: list[int], output: list[int], reference: list[int]) -> dict:
+    """The record's `lossless` field for a T=0 run."""
+    index = first_divergence(output, reference)
+    if index is None:
+        return {"checked": True, "identical": True, "first_divergence": None, "margin": None}
+    margin = top2_margin(target, prompt_ids, reference, index) if index < len(reference) else None
+    return {"checked": True, "identical": False, "first_divergence": index, "margin": margin}
+
+
+def not_checked(reason: str) -> dict:
+    return {"checked": False, "identical": None, "first_divergence": None, "margin": None, "reason": reason}

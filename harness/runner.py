@@ -1,0 +1,235 @@
+"""The shared benchmark loop: prompts in, one lossless-checked JSONL record per sample out, resumable."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import methods  # noqa: F401  (fills the registry)
+from harness.data import Sample, load_samples, render_prompt
+from harness.errors import HarnessError
+from harness.lossless import ReferenceCache, compare, not_checked
+from harness.models import LoadedModel, check_model_spec, default_dtype, load_model
+from harness.results import Record, ResultStore, config_key
+from harness.target import TargetRuntime
+from methods.base import REGISTRY, Method, build_method, parse_params
+from methods.sampling import Sampler, SamplingConfig
+
+REFERENCE_METHOD = "autoregressive"
+
+
+@dataclass
+class RunConfig:
+    method: str = "autoregressive"
+    params: dict = field(default_factory=dict)
+    model: str = "smollm2-135m"
+    datasets: tuple[str, ...] = ("mt_bench", "gsm8k", "humaneval")
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    limit: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None
+    data_dir: str | None = None
+    out: Path | None = None
+    checkpoint: str | None = None
+    skip_missing: bool = False
+
+    @property
+    def dtype_name(self) -> str:
+        return self.dtype or default_dtype(self.device)
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+def validate(config: RunConfig) -> None:
+    """Reject bad input before anything is loaded or written."""
+    check_model_spec(config.model)
+    if config.method not in REGISTRY:
+        raise HarnessError(f"unknown method {config.method!r}; choose from {', '.join(sorted(REGISTRY))}")
+    try:
+        parse_params(REGISTRY[config.method], config.params)
+        config.sampling()
+    except (ValueError, TypeError) as exc:
+        raise HarnessError(f"{exc}; fix the option") from None
+    if config.limit is not None and config.limit < 1:
+        raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
+    if config.max_new_tokens < 1:
+        raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
+
+
+def load_prompts(config: RunConfig) -> list[Sample]:
+    samples = []
+    for name in config.datasets:
+        try:
+            samples += load_samples(name, config.data_dir, config.limit)
+        except HarnessError as exc:
+            if not config.skip_missing or "not found" not in str(exc):
+                raise
+            tqdm.write(f"skipping {name}: {exc}")
+    if not samples:
+        raise HarnessError("no prompts to run: every requested dataset is missing; pass --data-dir")
+    return samples
+
+
+def versions() -> dict:
+    names = ("spd-bench", "torch", "transformers")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def sample_seed(seed: int, sample: Sample) -> int:
+    """Per-sample seed, so a resumed run draws exactly what an uninterrupted one would have."""
+    text = f"{seed}/{sample.dataset}/{sample.question_id}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+class Runner:
+    """Runs one configuration over its prompts; the method sees only the target runtime and the prompt ids."""
+
+    def __init__(self, config: RunConfig, loaded: LoadedModel):
+        self.config = config
+        self.loaded = loaded
+        self.sampling = config.sampling()
+        self.stop_ids = stop_ids(loaded)
+        spec = {
+            "method": config.method,
+            "params": config.params,
+            "model": loaded.identity.to_dict(),
+            **self.sampling.to_dict(),
+            "max_new_tokens": config.max_new_tokens,
+            "seed": config.seed,
+            "dtype": config.dtype_name,
+            "device": loaded.device.type,
+        }
+        self.key = config_key(spec)
+        self.references = ReferenceCache(loaded.identity, config.dtype_name, loaded.device.type)
+        self.target: TargetRuntime | None = None
+
+    def _method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
+        if self.target is None:
+            max_len = max(len(p) for p in prompts) + self.config.max_new_tokens + 64
+            self.target = TargetRuntime(self.loaded.model, max_len=max_len)
+        return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
+
+    def run(self, samples: list[Sample], store: ResultStore) -> int:
+        finished = store.finished()
+        todo = [s for s in samples if (self.key, s.dataset, str(s.question_id)) not in finished]
+        if not todo:
+            return 0
+        prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
+        method = self._method(self.config.method, self.config.params, prompts)
+        reference = self._method(REFERENCE_METHOD, {}, prompts)
+        with torch.inference_mode():
+            method.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))  # warm-up
+            self._loop(todo, prompts, method, reference, store)
+        return len(todo)
+
+    def _loop(self, todo, prompts, method, reference, store) -> None:
+        bar = tqdm(total=len(todo), desc=f"{self.config.method}", unit="sample", dynamic_ncols=True)
+        tokens, seconds = 0, 0.0
+        for sample, prompt in zip(todo, prompts):
+            generation = method.generate(prompt, self.config.max_new_tokens, self._sampler(sample_seed(self.config.seed, sample)))
+            lossless = self._check(prompt, generation.output_ids, reference)
+            store.append(self._record(sample, prompt, generation, lossless))
+            tokens += len(generation.output_ids)
+            seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
+            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}", lossless=_flag(lossless))
+            bar.update()
+        bar.close()
+
+    def _sampler(self, seed: int) -> Sampler:
+        generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+        return Sampler(self.sampling, generator)
+
+    def _check(self, prompt: list[int], output: list[int], reference_method: Method) -> dict:
+        if not self.sampling.greedy:
+            return not_checked("sampled run: covered by the distribution tests")
+        expected = self.references.get(prompt, self.config.max_new_tokens)
+        if expected is None:
+            if self.config.method == REFERENCE_METHOD:
+                expected = output
+            else:
+                greedy = Sampler(SamplingConfig())
+                expected = reference_method.generate(prompt, self.config.max_new_tokens, greedy).output_ids
+            self.references.put(prompt, self.config.max_new_tokens, expected)
+        return compare(self.target, prompt, output, expected)
+
+    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict) -> Record:
+        c = self.config
+        return Record(
+            method=c.method,
+            params=c.params,
+            model=self.loaded.identity.to_dict(),
+            dataset=sample.dataset,
+            question_id=sample.question_id,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            max_new_tokens=c.max_new_tokens,
+            seed=c.seed,
+            dtype=c.dtype_name,
+            device=self.loaded.device.type,
+            prompt_tokens=len(prompt),
+            output_ids=generation.output_ids,
+            output_text=self.loaded.tokenizer.decode(generation.output_ids, skip_special_tokens=False),
+            new_tokens=len(generation.output_ids),
+            steps=generation.steps,
+            accepted=generation.accepted,
+            position_accepts=generation.position_accepts,
+            timing={k: round(v, 6) for k, v in generation.timing.items()},
+            lossless=lossless,
+            config_key=self.key,
+            versions=versions(),
+            stats={**generation.stats, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        )
+
+
+def _flag(lossless: dict) -> str:
+    if not lossless["checked"]:
+        return "n/a"
+    return "ok" if lossless["identical"] else f"DIVERGED@{lossless['first_divergence']}"
+
+
+def stop_ids(loaded: LoadedModel) -> set[int]:
+    """Every end-of-turn id the model declares (generation config and tokenizer), not just one."""
+    ids: set[int] = set()
+    for value in (loaded.model.generation_config.eos_token_id, loaded.tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+def default_out(config: RunConfig, model_name: str) -> Path:
+    safe = model_name.replace("/", "--")
+    return Path("results") / safe / f"{config.method}.jsonl"
+
+
+def run(config: RunConfig) -> Path:
+    """Validate, load prompts and model, run every unfinished sample, return the results file."""
+    validate(config)
+    samples = load_prompts(config)
+    store_path = config.out
+    if store_path is not None:
+        ResultStore(store_path).load()  # an unreadable file fails here, before the model loads
+    loaded = load_model(config.model, config.device, config.dtype)
+    store = ResultStore(store_path or default_out(config, loaded.identity.name))
+    store.load()
+    Runner(config, loaded).run(samples, store)
+    return store.path

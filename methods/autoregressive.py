@@ -1,0 +1,30 @@
+"""Autoregressive decoding: one token per target forward. The speed baseline and the losslessness reference."""
+
+from __future__ import annotations
+
+import torch
+
+from methods.base import Generation, Method, Timer, register
+from methods.sampling import Sampler
+
+
+@register
+class Autoregressive(Method):
+    name = "autoregressive"
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        target = self.target
+        target.reset()
+        timer = Timer(target.device)
+        with timer("prefill"):
+            logits, _ = target.forward(torch.tensor(prompt_ids), start=0)
+            token = sampler.pick(logits[-1])
+        output = [token]
+        with timer("decode"):
+            while len(output) < max_new_tokens and token not in self.stop_ids:
+                position = len(prompt_ids) + len(output) - 1
+                logits, _ = target.forward(torch.tensor([token]), start=position)
+                token = sampler.pick(logits[-1])
+                output.append(token)
+        steps = len(output) - 1
+        return Generation(output_ids=output, steps=steps, accepted=[1] * steps, timing=timer.totals)

@@ -1,0 +1,92 @@
+"""The method contract: every decoding method is built from the target runtime and returns a `Generation`.
+
+The runner, metrics and reports only see `Generation`; they never look inside a method.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import torch
+
+from harness.target import TargetRuntime
+from methods.sampling import Sampler
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    steps: int  # target forwards after prefill (rounds or pipeline cycles)
+    accepted: list[int]  # tokens committed by each step
+    position_accepts: list[int] = field(default_factory=list)  # accepted drafts per draft position
+    timing: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, components
+    stats: dict = field(default_factory=dict)  # method-specific counters
+
+
+class Timer:
+    """Accumulates wall-clock seconds per named component, synchronising CUDA so the numbers are real."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """Parameters of a method that has none."""
+
+
+class Method(ABC):
+    """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass) and implement `generate`."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, target: TargetRuntime, params, stop_ids: set[int], checkpoint: str | None = None):
+        self.target = target
+        self.params = params
+        self.stop_ids = stop_ids
+        self.checkpoint = checkpoint
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
+
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def parse_params(cls: type[Method], raw: dict):
+    """Build the method's Params from a dict, rejecting unknown names."""
+    known = {f.name for f in fields(cls.Params)}
+    unknown = set(raw) - known
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise ValueError(f"method {cls.name} has no parameter(s) {', '.join(sorted(unknown))} (allowed: {allowed})")
+    return cls.Params(**raw)
+
+
+def build_method(name: str, target: TargetRuntime, raw_params: dict, stop_ids: set[int], checkpoint=None) -> Method:
+    if name not in REGISTRY:
+        raise KeyError(name)
+    cls = REGISTRY[name]
+    return cls(target, parse_params(cls, raw_params), stop_ids, checkpoint)

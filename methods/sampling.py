@@ -1,0 +1,65 @@
+"""Sampling settings and the target distribution they define; shared by every method and its AR reference."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Sampler:
+    """Turns target logits into the distribution p that every verifier must reproduce, and draws from it."""
+
+    def __init__(self, config: SamplingConfig, generator: torch.Generator | None = None):
+        self.config = config
+        self.generator = generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.config.greedy
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 probabilities over the last dim after temperature, top-k and top-p (T must be > 0)."""
+        logits = logits.float() / self.config.temperature
+        if self.config.top_k:
+            kth = torch.topk(logits, min(self.config.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.config.top_p < 1:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before >= self.config.top_p)
+            probs = probs.masked_fill(drop, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """Next token from target logits [V]: argmax at T=0, else a draw from `probs`."""
+        if self.greedy:
+            return int(torch.argmax(logits))
+        return self.draw(self.probs(logits))

@@ -1,0 +1,46 @@
+"""Tiny random models of the three supported architectures, built offline from configs."""
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3_5TextConfig
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(arch: str, num_layers: int = 6, vocab_size: int = 256):
+    kw = {**COMMON, "num_hidden_layers": num_layers, "vocab_size": vocab_size}
+    if arch == "llama":
+        return LlamaConfig(**kw)
+    if arch == "qwen3":
+        return Qwen3Config(**kw)
+    if arch == "qwen3_5":
+        kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        return Qwen3_5TextConfig(
+            **kw,
+            layer_types=[kinds[i % 4] for i in range(num_layers)],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, num_layers: int = 6, vocab_size: int = 256, seed: int = 0):
+    torch.manual_seed(seed)
+    config = tiny_config(arch, num_layers, vocab_size)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init leaves tiny logit gaps; scaling the head makes greedy choices well separated in fp32.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model.eval()
