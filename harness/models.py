@@ -75,7 +75,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _embedded_folder(spec: EmbeddedModel) -> Path:
+def embedded_folder(spec: EmbeddedModel) -> Path:
     """Convert the gguf to an HF folder once; later loads read the cached safetensors."""
     target = cache_dir() / "models" / spec.folder
     if (target / "config.json").exists():
@@ -124,7 +124,7 @@ def check_model_spec(spec: str) -> None:
 def resolve_model_dir(spec: str) -> tuple[str, Path]:
     """Map `--model` to (display name, local folder): embedded name, local folder, or hub id."""
     if spec in EMBEDDED:
-        return spec, _embedded_folder(EMBEDDED[spec])
+        return spec, embedded_folder(EMBEDDED[spec])
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():

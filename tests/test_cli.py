@@ -1,0 +1,121 @@
+"""`spd-bench run/report` on a tiny local HF model: records, resume after a kill, and clear bad-input errors."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from harness.cli import main
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template, saved as an HF folder."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", num_layers=4, vocab_size=49152)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+
+
+def _run(*args):
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_writes_one_lossless_record_per_sample_and_resumes_without_duplicates(tiny_dir, eval_dir, tmp_path, cache):
+    out = tmp_path / "r.jsonl"
+    args = ["run", "--model", str(tiny_dir), "--dataset", "gsm8k,humaneval", "--max-new-tokens", "12",
+            "--data-dir", str(eval_dir), "--out", str(out)]
+    code, output = _run(*args, "--limit", "2")
+    assert code == 0, output
+    rows = _records(out)
+    assert [(r["dataset"], r["question_id"]) for r in rows] == [("gsm8k", 0), ("gsm8k", 1), ("humaneval", 0), ("humaneval", 1)]
+    row = rows[0]
+    assert row["new_tokens"] == len(row["output_ids"]) == 12 and row["steps"] == 11
+    assert row["lossless"]["checked"] and row["lossless"]["identical"]
+    assert row["model"]["name"] == tiny_dir.name and len(row["model"]["weights_sha256"]) == 64
+    assert {"prefill", "decode"} <= set(row["timing"]) and row["versions"]["torch"]
+
+    with open(out, "a") as fh:  # a run killed while writing its next record
+        fh.write('{"config_key": "' + row["config_key"] + '", "dataset": "gs')
+    code, output = _run(*args, "--limit", "3")
+    assert code == 0, output
+    keys = [(r["dataset"], r["question_id"]) for r in _records(out)]
+    assert len(keys) == len(set(keys)) == 6
+
+    code, _ = _run(*args, "--limit", "3")  # everything finished: nothing appended
+    assert code == 0 and len(_records(out)) == 6
+
+
+def test_sampled_run_records_that_losslessness_is_covered_by_distribution_tests(tiny_dir, eval_dir, tmp_path, cache):
+    out = tmp_path / "t1.jsonl"
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "mt_bench", "--limit", "1", "--temperature", "1",
+                        "--top-k", "20", "--max-new-tokens", "6", "--data-dir", str(eval_dir), "--out", str(out))
+    assert code == 0, output
+    (row,) = _records(out)
+    assert row["temperature"] == 1.0 and row["top_k"] == 20 and row["lossless"]["checked"] is False
+
+
+def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
+    out = tmp_path / "r.jsonl"
+    _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "5",
+         "--data-dir", str(eval_dir), "--out", str(out))
+    code, markdown = _run("report", "--results", str(out))
+    assert code == 0
+    assert "| autoregressive | — | " in markdown and "| gsm8k | 2 | 10 |" in markdown and "| overall | 2 | 10 |" in markdown
+    code, csv_text = _run("report", "--results", str(out), "--format", "csv")
+    assert code == 0 and csv_text.splitlines()[0].startswith("method,params,model,T,dataset")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--dataset", "squad"], "unknown dataset"),
+        (["--temperature", "-0.5"], "temperature must be >= 0"),
+        (["--limit", "0"], "--limit must be a positive integer"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+        (["--model", "/no/such/model"], "model '/no/such/model' not found"),
+        (["--param", "n"], "must look like name=value"),
+        (["--param", "n=4"], "has no parameter"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_path, eval_dir, cache):
+    out = tmp_path / "r.jsonl"
+    result = CliRunner().invoke(main, ["run", "--out", str(out), "--data-dir", str(eval_dir), *args])
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_malformed_data_line_and_unreadable_results_file_exit_2(tmp_path, tiny_dir, cache):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text("{broken\n")
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--data-dir", str(data),
+                        "--out", str(tmp_path / "r.jsonl"))
+    assert code == 2 and "gsm8k.jsonl:1: malformed dataset line" in output
+    assert not (tmp_path / "r.jsonl").exists()
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("garbage\n")
+    (data / "gsm8k.jsonl").write_text('{"question_id": 1, "turns": ["hi"]}\n')
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--data-dir", str(data), "--out", str(bad))
+    assert code == 2 and "bad.jsonl:1: not a result record" in output
+    assert bad.read_text() == "garbage\n"
+    code, output = _run("report", "--results", str(bad))
+    assert code == 2 and "not a result record" in output

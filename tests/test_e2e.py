@@ -1,0 +1,45 @@
+"""End-to-end on the embedded SmolLM2-135M-Instruct model (fp32): real weights, tokenizer and prompts."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from harness.cli import main
+from harness.data import load_samples, render_prompt
+from harness.models import load_model
+from harness.runner import stop_ids
+from harness.target import TargetRuntime
+from methods.base import build_method
+from methods.sampling import Sampler, SamplingConfig
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def test_harness_ar_equals_hf_generate_greedy_on_the_embedded_model(smollm2):
+    stops = stop_ids(smollm2)
+    method = build_method("autoregressive", TargetRuntime(smollm2.model, max_len=1024), {}, stops)
+    for sample in load_samples("mt_bench", limit=2) + load_samples("humaneval", limit=1):
+        prompt = render_prompt(smollm2.tokenizer, sample.prompt)
+        ours = method.generate(prompt, 40, Sampler(SamplingConfig())).output_ids
+        hf = smollm2.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                    eos_token_id=sorted(stops), pad_token_id=2)[0, len(prompt):].tolist()
+        assert ours == hf
+
+
+def test_cli_run_on_the_embedded_model_is_lossless_and_reported(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = CliRunner().invoke(main, ["run", "--dataset", "mt_bench,humaneval", "--limit", "1", "--max-new-tokens", "24",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["dataset"] for r in rows] == ["mt_bench", "humaneval"]
+    assert all(r["lossless"]["identical"] and r["model"]["name"] == "smollm2-135m" for r in rows)
+    report = CliRunner().invoke(main, ["report", "--results", str(out)])
+    assert report.exit_code == 0 and "| overall | 2 |" in report.output

@@ -1,0 +1,136 @@
+"""Verification kernels reproduce the target distribution on toy vocabularies (total-variation bounds)."""
+
+import pytest
+import torch
+
+from methods.sampling import Sampler, SamplingConfig
+from methods.verify import chain_rejection, greedy_accept, residual, verify_siblings, verify_tree
+
+V = 6
+SAMPLES = 40_000
+TV_BOUND = 0.02  # sampling noise here is ~0.005; a broken residual is off by > 0.1
+
+
+def _dist(seed: int, peaked: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(V, generator=g) * 2 * peaked, dim=0)
+
+
+def _tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - p).abs().sum())
+
+
+def _histogram(draw, n=SAMPLES, size=V) -> torch.Tensor:
+    counts = torch.zeros(size)
+    for _ in range(n):
+        counts[draw()] += 1
+    return counts
+
+
+def test_greedy_accept_counts_the_matching_prefix():
+    assert greedy_accept([3, 1, 4], [3, 1, 5, 9]) == 2
+    assert greedy_accept([3, 1, 4], [3, 1, 4, 9]) == 3
+    assert greedy_accept([2], [3, 2]) == 0
+    assert greedy_accept([], [7]) == 0
+
+
+def test_residual_is_the_normalised_positive_part():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.allclose(residual(p, p), p)
+
+
+def test_chain_rejection_single_token_output_follows_p():
+    p, q = _dist(1), _dist(2)
+    g = torch.Generator().manual_seed(0)
+
+    def draw():
+        x = int(torch.multinomial(q, 1, generator=g))
+        accepted, nxt = chain_rejection([x], q[None], torch.stack([p, _dist(3)]), g)
+        return x if accepted == 1 else nxt
+
+    assert _tv(_histogram(draw), p) < TV_BOUND
+
+
+def test_chain_rejection_two_token_joint_distribution_follows_p():
+    p1, q1 = _dist(4), _dist(5)
+    p2 = [_dist(10 + a) for a in range(V)]  # target next-token distribution after first token a
+    q2 = [_dist(20 + a) for a in range(V)]
+    g = torch.Generator().manual_seed(1)
+
+    def draw():
+        x1 = int(torch.multinomial(q1, 1, generator=g))
+        x2 = int(torch.multinomial(q2[x1], 1, generator=g))
+        p = torch.stack([p1, p2[x1], _dist(99)])
+        accepted, nxt = chain_rejection([x1, x2], torch.stack([q1, q2[x1]]), p, g)
+        if accepted == 0:  # the second token then comes from the target itself
+            return nxt * V + int(torch.multinomial(p2[nxt], 1, generator=g))
+        return x1 * V + (x2 if accepted == 2 else nxt)
+
+    joint = torch.cat([p1[a] * p2[a] for a in range(V)])
+    assert _tv(_histogram(draw, size=V * V), joint) < 2 * TV_BOUND
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_sibling_rule_output_follows_p_for_deterministic_candidates(width):
+    p, q = _dist(6), _dist(7)
+    candidates = torch.topk(q, width).indices.tolist()
+    g = torch.Generator().manual_seed(2)
+    counts = _histogram(lambda: verify_siblings(candidates, p, g)[1])
+    assert _tv(counts, p) < TV_BOUND
+
+
+def test_a_broken_residual_would_fail_the_bound():
+    """Guard that the bound is tight enough: resampling from p (not the residual) after a rejection is caught."""
+    p, q = _dist(6), _dist(7)
+    candidates = torch.topk(q, 4).indices.tolist()
+    g = torch.Generator().manual_seed(3)
+
+    def broken():
+        for token in candidates:
+            if float(torch.rand((), generator=g)) < float(p[token]):
+                return token
+        return int(torch.multinomial(p, 1, generator=g))
+
+    assert _tv(_histogram(broken), p) > 2 * TV_BOUND
+
+
+def test_tree_walk_width_4_two_levels_follows_the_joint_distribution():
+    """Root has 4 children, each with 2 children: the first two emitted tokens follow p1(a) p2(b | a)."""
+    p1 = _dist(30)
+    p2 = [_dist(40 + a) for a in range(V)]
+    first = [0, 2, 3, 5]
+    parents, tokens = [-1, -1, -1, -1], list(first)
+    for i, a in enumerate(first):
+        parents += [i, i]
+        tokens += [(a + 1) % V, (a + 4) % V]
+    rows = [p1] + [p2[t] for t in tokens]
+    p = torch.stack(rows)
+    g = torch.Generator().manual_seed(4)
+
+    def draw():
+        path, nxt = verify_tree(parents, tokens, p, None, g)
+        emitted = [tokens[n] for n in path] + [nxt]
+        if len(emitted) == 1:
+            emitted.append(int(torch.multinomial(p2[emitted[0]], 1, generator=g)))
+        return emitted[0] * V + emitted[1]
+
+    joint = torch.cat([p1[a] * p2[a] for a in range(V)])
+    assert _tv(_histogram(draw, size=V * V), joint) < 2 * TV_BOUND
+
+
+def test_tree_walk_greedy_follows_the_argmax_path():
+    parents = [-1, -1, 0, 1, 1]
+    tokens = [4, 2, 1, 0, 3]
+    argmax = [2, 9, 3, 9, 9, 5]  # row 0: root wants 2 (node 1); row 2: after node 1 wants 3 (node 4); row 5: bonus
+    path, nxt = verify_tree(parents, tokens, None, argmax)
+    assert path == [1, 4] and nxt == 5
+
+
+def test_sampler_top_k_and_top_p_keep_the_expected_support():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    top_k = Sampler(SamplingConfig(temperature=1.0, top_k=2)).probs(logits)
+    assert torch.allclose(top_k, torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    top_p = Sampler(SamplingConfig(temperature=1.0, top_p=0.75)).probs(logits)
+    assert torch.allclose(top_p, torch.tensor([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]))
+    assert Sampler(SamplingConfig()).pick(logits) == 0
