@@ -6,6 +6,7 @@ import gzip
 import importlib.metadata
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,19 @@ def _from_package(name: str) -> list[Sample] | None:
     return None
 
 
-def _from_hub(name: str) -> list[Sample] | None:
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick connection attempt, so an offline machine does not sit through the hub client's retries."""
     if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_hub(name: str) -> list[Sample] | None:
+    if not _hub_reachable():
         return None
     try:
         import datasets
