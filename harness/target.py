@@ -112,8 +112,9 @@ class StateCache:
 class TargetRuntime:
     """Layer-range execution of one sequence (batch 1) on a frozen HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int = 4096, rewind_window: int = 32):
+    def __init__(self, model: torch.nn.Module, max_len: int = 4096, rewind_window: int = 32, identity=None):
         self.model = model
+        self.identity = identity  # ModelIdentity of the weights, for drafter checkpoints to match against
         self.config = model.config.get_text_config()
         self.backbone = model.model
         self.layers = self.backbone.layers

@@ -34,6 +34,15 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
+def accept_or_resample(
+    token: int, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[bool, int]:
+    """One sampled draft x ~ q against target p: accept with min(1, p(x)/q(x)), else draw from the residual."""
+    if _uniform(generator) * float(q[token]) < float(p[token]):
+        return True, token
+    return False, _draw(residual(p, q), generator)
+
+
 def chain_rejection(
     draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[int, int]:
@@ -44,9 +53,9 @@ def chain_rejection(
     Returns (accepted count, next token).
     """
     for i, token in enumerate(draft):
-        if _uniform(generator) * float(q[i, token]) < float(p[i, token]):
-            continue
-        return i, _draw(residual(p[i], q[i]), generator)
+        accepted, replacement = accept_or_resample(token, q[i], p[i], generator)
+        if not accepted:
+            return i, replacement
     return len(draft), _draw(p[len(draft)], generator)
 
 

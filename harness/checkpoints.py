@@ -1,0 +1,59 @@
+"""Drafter checkpoints: safetensors weights plus a JSON config that names the target they were trained for."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.errors import HarnessError
+from harness.paths import cache_dir
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def drafter_dir(identity, method: str, tag: str) -> Path:
+    """Cache folder of a drafter, keyed by target weights and method configuration (e.g. `n8-ls4-input`)."""
+    return cache_dir() / "drafters" / f"{identity.name.replace('/', '--')}-{identity.weights_sha256[:12]}" / f"{method}-{tag}"
+
+
+def save(folder: Path, module: torch.nn.Module, config: dict, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Write weights (+ optional extra tensors, e.g. optimizer state) and config atomically (temp dir + rename)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    save_file(tensors, tmp / WEIGHTS)
+    if extra:
+        save_file({k: v.contiguous().cpu() for k, v in extra.items()}, tmp / "train_state.safetensors")
+    (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    old = folder.with_name(f".{folder.name}.old")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_config(folder: Path) -> dict:
+    path = Path(folder) / CONFIG
+    if not path.exists():
+        raise HarnessError(f"{folder} is not a drafter checkpoint (no {CONFIG}); pass a folder written by spd-bench train")
+    return json.loads(path.read_text())
+
+
+def load_weights(folder: Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(folder) / name))
+
+
+def check_target(config: dict, identity) -> None:
+    trained_for = config.get("target", {})
+    if identity is not None and trained_for.get("weights_sha256") != identity.weights_sha256:
+        raise HarnessError(
+            f"drafter was trained for {trained_for.get('name')} ({str(trained_for.get('weights_sha256'))[:12]}) "
+            f"but the target is {identity.name} ({identity.weights_sha256[:12]}); train one for this target"
+        )

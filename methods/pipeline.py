@@ -1,0 +1,174 @@
+"""The speculative pipeline engine: n target stages with one in-flight token per stage, drafted by a Speculator.
+
+One cycle: (input schedule) draft from the pre-step features, advance every in-flight token by one stage,
+(output schedule) draft from the post-step features, then, if the oldest token finished the last stage, its
+target distribution verifies the token in flight right behind it. Accept: the draft enters stage 0. Reject: KV is
+truncated (linear-attention state rewound), the pipeline is flushed and the correction enters alone.
+SPD, its output-state ablation and PPSD are configurations (feature policy x schedule) of this one engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.target import StateCache, TargetRuntime
+from methods.base import Generation, Timer
+from methods.sampling import Sampler
+from methods.speculator import Speculator
+from methods.verify import accept_or_resample
+
+
+@dataclass
+class Token:
+    """A token in the pipeline: its position, id, current hidden state and the features captured so far."""
+
+    position: int
+    token: int
+    depth: int
+    hidden: torch.Tensor  # [1, 1, D]
+    features: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, 1, D]
+    draft_probs: torch.Tensor | None = None  # q used to draft it (T > 0); None for verified tokens
+    fill: int = 0  # in-flight tokens older than it when it was drafted (pipeline fill level)
+
+
+class Drafter:
+    """The speculator's inference side: its own KV cache holds finished rows; in-flight rows are recomputed."""
+
+    def __init__(self, speculator: Speculator, max_len: int):
+        self.speculator = speculator
+        self.cache = StateCache(["full_attention"] * speculator.config.ls, max_len, rewind_window=0)
+        self.final = 0  # rows below this position are final (depth n) in the cache
+
+    def logits(self, rows: list[Token]) -> torch.Tensor:
+        """Draft logits (full vocabulary) for the position after the last row; rows start at `self.final`."""
+        spec = self.speculator
+        x = torch.cat([spec.project(r.depth, r.features) for r in rows], dim=1)
+        positions = torch.tensor([r.position for r in rows], device=x.device)
+        start = rows[0].position
+        self.cache.write, self.cache.kv_end = slice(start, start + len(rows)), start + len(rows)
+        mask = None
+        if len(rows) > 1:
+            keys = torch.arange(self.cache.kv_end, device=x.device)
+            mask = (keys[None, :] <= positions[:, None])[None, None]
+        out = spec.rows_forward(x, positions, mask, self.cache)
+        finished = [r.position for r in rows if r.depth == spec.config.n]
+        if finished:
+            self.final = finished[-1] + 1
+        return spec.full_vocab(spec.head_logits(out[:, -1:]))[0, 0]
+
+
+class PipelineEngine:
+    """Runs one generation; all state lives here, the target runtime and drafter are reset per prompt."""
+
+    def __init__(self, target: TargetRuntime, speculator: Speculator, stop_ids: set[int], drafter_class=Drafter):
+        self.target = target
+        self.drafter_class = drafter_class
+        self.speculator = speculator
+        self.config = speculator.config
+        self.stop_ids = stop_ids
+        self.bounds = self.config.bounds
+        self.capture = self.config.all_feature_layers()
+        if target.rewind_window < self.config.n:
+            raise ValueError(f"target rewind window {target.rewind_window} < n = {self.config.n}")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        n = self.config.n
+        target = self.target
+        target.reset()
+        drafter = self.drafter_class(self.speculator, target.max_len)
+        timer = Timer(target.device)
+        with timer("prefill"):
+            first, pending = self._prefill(prompt_ids, sampler)
+        output, in_flight = [first.token], [first]
+        accepted_per_cycle: list[int] = []
+        fill_drafts, fill_accepts = [0] * n, [0] * n
+        with timer("decode"):
+            while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
+                draft = None
+                if self.config.schedule == "input":
+                    with timer("drafter"):
+                        draft = self._draft(drafter, pending, in_flight, sampler)
+                with timer("stages"):
+                    self._advance(in_flight)
+                finished = in_flight.pop(0) if in_flight[0].depth == n else None
+                if finished is not None:
+                    pending.append(finished)
+                if self.config.schedule == "output":
+                    with timer("drafter"):
+                        draft = self._draft(drafter, pending, in_flight, sampler)
+                if finished is None:
+                    in_flight.append(draft)
+                    accepted_per_cycle.append(0)
+                    continue
+                with timer("verify_head"):
+                    candidate = in_flight[0] if in_flight else draft
+                    ok, token = self._verify(finished, candidate, sampler)
+                fill_drafts[candidate.fill] += 1
+                accepted_per_cycle.append(1)
+                if ok:
+                    fill_accepts[candidate.fill] += 1
+                    output.append(candidate.token)
+                    in_flight.append(draft)  # when n == 1 the draft is the candidate itself
+                else:
+                    output.append(token)
+                    position = finished.position + 1
+                    target.truncate(position)
+                    in_flight = [self._new_token(position, token, fill=0)]
+        return Generation(
+            output_ids=output,
+            steps=len(accepted_per_cycle),
+            accepted=accepted_per_cycle,
+            position_accepts=fill_accepts,
+            timing=timer.totals,
+            stats={"fill_drafts": fill_drafts, "n": n},
+        )
+
+    # --- steps ----------------------------------------------------------------------------------------------------
+    def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
+        """Full forward over the prompt; its tokens are finished rows for the drafter, the sampled token enters."""
+        target = self.target
+        ids = torch.tensor(prompt_ids, device=target.device)
+        logits, captured = target.forward(ids, start=0, capture=self.capture)
+        n = self.config.n
+        prompt_rows = [
+            Token(p, t, n, captured[self.bounds[-1][1]][:, p : p + 1],
+                  {layer: captured[layer][:, p : p + 1] for layer in self.capture})
+            for p, t in enumerate(prompt_ids)
+        ]
+        first = self._new_token(len(prompt_ids), sampler.pick(logits[-1]), fill=0)
+        return first, prompt_rows
+
+    def _new_token(self, position: int, token: int, fill: int, q: torch.Tensor | None = None) -> Token:
+        h = self.target.embed(torch.tensor([token], device=self.target.device))
+        return Token(position, token, 0, h, {0: h}, q, fill)
+
+    def _draft(self, drafter: Drafter, pending: list[Token], in_flight: list[Token], sampler: Sampler) -> Token:
+        """Draft the token after the newest in-flight one; finished tokens become final rows on the way."""
+        rows = pending + in_flight
+        logits = drafter.logits(rows)
+        pending.clear()
+        position, fill = rows[-1].position + 1, max(0, len(in_flight) - 1)
+        if sampler.greedy:
+            return self._new_token(position, int(torch.argmax(logits)), fill)
+        q = sampler.probs(logits)
+        return self._new_token(position, sampler.draw(q), fill, q)
+
+    def _advance(self, in_flight: list[Token]) -> None:
+        """Every in-flight token runs the stage at its depth (newest first is irrelevant: stages own disjoint layers)."""
+        for tok in in_flight:
+            lo, hi = self.bounds[tok.depth]
+            wanted = tuple(layer for layer in self.capture if lo < layer <= hi)
+            positions = torch.tensor([tok.position], device=self.target.device)
+            tok.hidden, captured = self.target.run_layers(lo, hi, tok.hidden, positions, capture=wanted)
+            tok.features.update(captured)
+            tok.depth += 1
+
+    def _verify(self, finished: Token, candidate: Token, sampler: Sampler) -> tuple[bool, int]:
+        logits = self.target.logits(finished.hidden)[0]
+        if sampler.greedy:
+            best = int(torch.argmax(logits))
+            return candidate.token == best, best
+        p = sampler.probs(logits)
+        return accept_or_resample(candidate.token, candidate.draft_probs, p, sampler.generator)

@@ -1,0 +1,69 @@
+"""Speculative Pipeline Decoding: the pipeline engine with multi-depth features (input or output schedule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness import checkpoints
+from harness.errors import HarnessError
+from methods.base import Generation, Method, register
+from methods.pipeline import PipelineEngine
+from methods.sampling import Sampler
+from methods.speculator import Speculator, SpeculatorConfig
+
+
+@dataclass(frozen=True)
+class PipelineParams:
+    n: int = 8
+    ls: int = 4
+    schedule: str = "input"
+    width: int = 1
+
+    def __post_init__(self):
+        if self.width != 1:
+            raise ValueError(f"width {self.width} is not supported yet by the pipeline engine; use --param width=1")
+        SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule)  # validates schedule and ls
+
+    @property
+    def tag(self) -> str:
+        return f"n{self.n}-ls{self.ls}-{self.schedule}"
+
+
+def load_speculator(target, method: str, policy: str, params: PipelineParams, checkpoint: str | None) -> Speculator:
+    """The trained drafter for (target, method, n, Ls, schedule): from --checkpoint or the cache."""
+    folder = Path(checkpoint) if checkpoint else checkpoints.drafter_dir(target.identity, method, params.tag)
+    if not (folder / checkpoints.CONFIG).exists():
+        if checkpoint:
+            raise HarnessError(f"checkpoint {folder} not found; pass a folder written by spd-bench train")
+        raise HarnessError(
+            f"no {method} drafter for {target.identity.name} with {params.tag}; train one with: spd-bench train "
+            f"--method {method} --n {params.n} --ls {params.ls} --schedule {params.schedule}"
+        )
+    saved = checkpoints.load_config(folder)
+    checkpoints.check_target(saved, target.identity)
+    config = SpeculatorConfig(**saved["speculator"])
+    if (config.n, config.ls, config.schedule, config.policy) != (params.n, params.ls, params.schedule, policy):
+        raise HarnessError(f"checkpoint {folder} is for {config.to_dict()}, not {params.tag} ({policy})")
+    weights = checkpoints.load_weights(folder)
+    speculator = Speculator(config, target, draft_ids=weights.get("draft_ids"))
+    speculator.load_state_dict(weights)
+    return speculator.eval()
+
+
+@register
+class SPD(Method):
+    name = "spd"
+    Params = PipelineParams
+    policy = "multi_depth"
+
+    def __init__(self, target, params: PipelineParams, stop_ids, checkpoint=None, speculator: Speculator | None = None):
+        super().__init__(target, params, stop_ids, checkpoint)
+        self.speculator = speculator or load_speculator(target, self.name, self.policy, params, checkpoint)
+        self.engine = PipelineEngine(target, self.speculator, stop_ids)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        return self.engine.generate(prompt_ids, max_new_tokens, sampler)

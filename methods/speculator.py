@@ -1,0 +1,183 @@
+"""The pipeline drafter: a small decoder fed multi-depth target features of in-flight tokens.
+
+A token that has finished k of the n pipeline stages ("depth k") contributes one row whose input is a per-depth
+linear projection of the target hidden states it has: h[0] (embedding) and a few layers up to the deepest it reached.
+Rows attend causally at their true positions; the newest row's logits draft the next token. Both the pipeline
+(inference, one row per token at its current depth) and training (every depth unrolled, depth-matched visibility)
+go through the same `rows_forward`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from harness.target import StateCache, TargetRuntime
+
+SCHEDULES = ("input", "output")
+POLICIES = ("multi_depth", "first_stage")
+
+
+def stage_bounds(num_layers: int, n: int) -> list[tuple[int, int]]:
+    """Contiguous near-even split: sizes differ by at most one, larger stages first."""
+    if not 1 <= n <= num_layers:
+        raise ValueError(f"n must be between 1 and the number of layers ({num_layers}), got {n}")
+    base, extra = divmod(num_layers, n)
+    bounds, lo = [], 0
+    for stage in range(n):
+        hi = lo + base + (stage < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def feature_layers(policy: str, bounds: list[tuple[int, int]], depth: int) -> tuple[int, ...]:
+    """Target layers whose outputs feed a row at `depth` (h[0] = embedding, h[k] = output of layer k)."""
+    if depth == 0:
+        return (0,)
+    deepest = bounds[depth - 1][1]
+    if policy == "first_stage":  # PPSD: shallow first-stage output only
+        return (bounds[0][1],)
+    return tuple(sorted({0, round(deepest / 3), round(2 * deepest / 3), deepest}))
+
+
+@dataclass
+class SpeculatorConfig:
+    n: int
+    ls: int
+    schedule: str = "input"
+    policy: str = "multi_depth"
+    num_layers: int = 0
+    target: dict = field(default_factory=dict)  # name + weights_sha256 of the target it was trained for
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"feature policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.ls < 1:
+            raise ValueError(f"ls must be >= 1, got {self.ls}")
+
+    @property
+    def query_depth(self) -> int:
+        """Depth of the newest token when the drafter runs: before (input) or after (output) the stage step."""
+        return 0 if self.schedule == "input" else 1
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        return stage_bounds(self.num_layers, self.n)
+
+    def layers_for(self, depth: int) -> tuple[int, ...]:
+        return feature_layers(self.policy, self.bounds, depth)
+
+    def all_feature_layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for d in range(self.n + 1) for layer in self.layers_for(d)}))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _module_layer_config(target_config, ls: int):
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = ls
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * ls
+    return config
+
+
+class Speculator(nn.Module):
+    """Per-depth projections -> Ls decoder layers of the target's shape -> target's final norm -> trainable head."""
+
+    def __init__(self, config: SpeculatorConfig, target: TargetRuntime, draft_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        hidden = target.config.hidden_size
+        self.projections = nn.ModuleList(
+            nn.Linear(len(config.layers_for(d)) * hidden, hidden, bias=False) for d in range(config.n + 1)
+        )
+        layer_config = _module_layer_config(target.config, config.ls)
+        layer_class = type(target.layers[0])
+        self.layers = nn.ModuleList(layer_class(layer_config, i) for i in range(config.ls))
+        head_weight = target.model.lm_head.weight.detach()
+        if draft_ids is None:
+            self.register_buffer("draft_ids", torch.empty(0, dtype=torch.long))
+        else:
+            self.register_buffer("draft_ids", draft_ids.to(torch.long))
+            head_weight = head_weight[draft_ids]
+        self.head = nn.Linear(hidden, head_weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(head_weight)
+            for d, projection in enumerate(self.projections):
+                # Start as "the deepest feature passes through": a sensible init that training refines.
+                projection.weight.zero_()
+                last = len(config.layers_for(d)) - 1
+                projection.weight[:, last * hidden:].copy_(torch.eye(hidden))
+        self.to(device=target.device, dtype=target.dtype)
+        self._frozen = (target.backbone.norm, target.backbone.rotary_emb)  # shared with the target, never trained
+        self.vocab_size = target.config.vocab_size
+
+    # --- features ---------------------------------------------------------------------------------------------
+    def project(self, depth: int, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Row input for a token at `depth` from its hidden states {layer: [..., D]}."""
+        parts = [features[layer] for layer in self.config.layers_for(depth)]
+        return self.projections[depth](torch.cat(parts, dim=-1))
+
+    # --- the one forward ----------------------------------------------------------------------------------------
+    def rows_forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                     cache: StateCache | None) -> torch.Tensor:
+        """Decoder layers over rows x [B, R, D] at `positions` [R]; `mask` [B, 1, R, K] bool (None: single row)."""
+        norm, rotary = self._frozen
+        rope = rotary(x, positions[None])
+        for layer in self.layers:
+            x = layer(x, attention_mask=mask, position_ids=positions[None], position_embeddings=rope, cache=cache)
+        return x
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the draft vocabulary (float32)."""
+        norm, _ = self._frozen
+        return self.head(norm(x)).float()
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary logits back to the target's ids (-inf elsewhere)."""
+        if self.draft_ids.numel() == 0:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_ids] = logits
+        return full
+
+
+def unrolled_mask(n: int, segment_start: torch.Tensor) -> torch.Tensor:
+    """Visibility of the unrolled layout: rows (d, T) in depth-major order, [(n+1)S, (n+1)S] bool.
+
+    Row (d, T) sees, for every T' <= T, exactly the row whose depth the pipeline holds for T' at that moment:
+    n if T' lies before T's segment start (prefill or the last flush: those tokens finished), else min(n, d + T - T').
+    """
+    size = segment_start.shape[0]
+    pos = torch.arange(size, device=segment_start.device)
+    t, t_key = pos[:, None], pos[None, :]
+    depths = torch.arange(n + 1, device=pos.device)
+    # seen[d, T, T']: the depth of T' that row (d, T) attends to
+    seen = torch.where(t_key < segment_start[:, None], n, torch.clamp(depths[:, None, None] + t - t_key, max=n))
+    mask = (seen[:, :, None, :] == depths[None, None, :, None]) & (t_key <= t)[None, :, None, :]
+    return mask.reshape((n + 1) * size, (n + 1) * size)
+
+
+def unrolled_logits(speculator: Speculator, features: dict[int, torch.Tensor], segment_start: torch.Tensor
+                    ) -> torch.Tensor:
+    """Training forward: every position unrolled into n+1 depth rows; returns the query rows' draft logits [B, S, V'].
+
+    `features` maps target layer -> teacher hidden states [B, S, D]; `segment_start` [B, S] gives, per position, the
+    first position of its pipeline segment (0, the prompt end, or a simulated flush).
+    """
+    config = speculator.config
+    batch, size = segment_start.shape
+    rows = torch.cat([speculator.project(d, features) for d in range(config.n + 1)], dim=1)  # [B, (n+1)S, D]
+    positions = torch.arange(size, device=rows.device).repeat(config.n + 1)
+    mask = torch.stack([unrolled_mask(config.n, s) for s in segment_start])[:, None]
+    out = speculator.rows_forward(rows, positions, mask, cache=None)
+    query = out[:, config.query_depth * size:(config.query_depth + 1) * size]
+    return speculator.head_logits(query)
