@@ -155,3 +155,51 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     click.echo(f"median speed ratio (HF generate time / harness AR time) over {len(result.ratios)} pairs: "
                f"{result.median_ratio:.3f}")
     click.echo(f"record: {out}")
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+POLICIES = {"spd": "multi_depth"}
+
+
+@main.command()
+@click.option("--method", type=click.Choice(sorted(POLICIES)), default="spd", show_default=True)
+@click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list trains several).")
+@click.option("--ls", "ls_values", default="4", show_default=True, help="Drafter decoder layers (comma list).")
+@click.option("--schedule", "schedules", default="input", show_default=True, help="input, output or both (comma list).")
+@click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Target tokens to train on (shared by every drafter of this run).")
+@click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--lr", type=float, default=1e-4, show_default=True)
+@click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
+              help="Draft vocabulary size by corpus frequency (0: full vocabulary).")
+@click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint of each drafter.")
+@model_option
+@device_option
+@dtype_option
+def train(method, n_values, ls_values, schedules, tokens, seq_len, batch_size, lr, draft_vocab, save_every, resume,
+          model, device, dtype):
+    """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
+    from harness.train import DrafterSpec, TrainConfig
+    from harness.train import train as run_training
+
+    schedule_list = [s.strip() for s in schedules.split(",") if s.strip()]
+    bad = [s for s in schedule_list if s not in ("input", "output")]
+    if bad or not schedule_list:
+        raise click.BadParameter(f"--schedule must list input and/or output, got {schedules!r}")
+    specs = [DrafterSpec(method, n, ls, s, POLICIES[method])
+             for n in _int_list(n_values) for ls in _int_list(ls_values) for s in schedule_list]
+    if any(s.n < 1 or s.ls < 1 for s in specs):
+        raise click.BadParameter("--n and --ls must be positive")
+    config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
+                         draft_vocab=draft_vocab, save_every=save_every, device=device, dtype=dtype, resume=resume,
+                         command="spd-bench " + " ".join(sys.argv[1:]))
+    for folder in run_training(config):
+        click.echo(f"checkpoint: {folder}")

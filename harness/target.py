@@ -87,6 +87,12 @@ class StateCache:
 
     def update_conv_state(self, new, layer_idx, conv_kernel_size=None, **_):
         state = self.linear[layer_idx]
+        start = self.write.start if isinstance(self.write, slice) else None
+        if start != state.length:
+            raise ValueError(
+                f"linear-attention layer {layer_idx} holds {state.length} tokens but was given position "
+                f"{start}; linear layers need contiguous appends: truncate or reset the runtime first"
+            )
         full = new if state.conv is None else torch.cat([state.conv, new], dim=-1)
         tail = full[..., -conv_kernel_size:]
         if tail.shape[-1] < conv_kernel_size:
@@ -195,7 +201,7 @@ class TargetRuntime:
             count = len(positions)
             self.cache.write = slice(start, start + count)
             self.cache.kv_end = start + count
-        else:
+        else:  # linear-attention layers refuse this form: they need contiguous appends
             self.cache.write = slots.to(self.device)
             self.cache.kv_end = int(slots.max()) + 1
         if self.cache.kv_end > self.max_len:

@@ -21,13 +21,18 @@ def _spd(model, n, schedule="input", ls=2, max_len=256):
     return target, SPD(target, PipelineParams(n=n, ls=ls, schedule=schedule), set(), speculator=speculator)
 
 
-def _oracle(reference: dict[int, int], hit_rate: float, seed: int = 0):
-    """A drafter that proposes the greedy reference token with probability `hit_rate`, so accepts and rejects mix."""
+def _oracle(reference: dict[int, int], hit_rate: float, seed: int = 0, record: list | None = None):
+    """A drafter that proposes the greedy reference token with probability `hit_rate`, so accepts and rejects mix.
+
+    It still runs the real drafter (its cache bookkeeping stays exercised); `record` collects what it computed.
+    """
     rng = torch.Generator().manual_seed(seed)
 
     class Oracle(Drafter):
         def logits(self, rows):
-            real = super().logits(rows)  # keeps the drafter's own cache bookkeeping exercised
+            real = super().logits(rows)
+            if record is not None:
+                record.append(([(r.position, r.token, r.depth) for r in rows], real.clone()))
             position = rows[-1].position + 1
             if position in reference and float(torch.rand((), generator=rng)) < hit_rate:
                 logits = torch.full_like(real, -10.0)
@@ -108,3 +113,33 @@ def test_sampled_tokens_follow_the_target_distribution(schedule):
         counts[out.output_ids[1] * vocab + out.output_ids[2]] += 1
     tv = 0.5 * float((counts / runs - expected).abs().sum())
     assert tv < 0.07
+
+
+@pytest.mark.parametrize("arch, n, schedule", [("llama", 3, "input"), ("llama", 4, "output"), ("qwen3_5", 4, "input"), ("qwen3", 2, "output")])
+def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, schedule):
+    """Same tokens and depths: the training layout reproduces every draft the engine computed (fp32)."""
+    from methods.speculator import unrolled_logits
+
+    model = tiny_model(arch)
+    target, method = _spd(model, n, schedule)
+    ar = build_method("autoregressive", target, {}, set())
+    prompt = [4, 9, 2, 7, 1]
+    reference = ar.generate(prompt, 20, Sampler(GREEDY)).output_ids
+    by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
+    seen = []
+    method.engine.drafter_class = _oracle(by_position, 0.7, seed=3, record=seen)
+    method.generate(prompt, 20, Sampler(GREEDY))
+    sequence = prompt + reference
+    target.reset()
+    _, features = target.forward(torch.tensor(sequence), start=0, capture=method.speculator.config.all_feature_layers())
+    compared = 0
+    for rows, real in seen:
+        if any(p >= len(sequence) or sequence[p] != t for p, t, _ in rows):
+            continue  # the pipeline held a draft that was later rejected: no training row describes it
+        start = min((p for p, _, depth in rows if depth < n), default=rows[-1][0] + 1)  # oldest in-flight token
+        positions = torch.arange(len(sequence))
+        starts = torch.where(positions >= start, start, 0)[None]
+        logits = method.speculator.full_vocab(unrolled_logits(method.speculator, features, starts))[0]
+        assert (logits[rows[-1][0]] - real).abs().max() < 1e-4
+        compared += 1
+    assert compared >= 8

@@ -1,0 +1,302 @@
+"""Drafter training by distillation: one loop, one corpus, one teacher pass shared by every drafter trained together.
+
+The frozen target runs once per batch and yields the hidden states every drafter needs plus its next-token
+distribution; each drafter takes its unrolled training forward on those features and a KL(target || drafter)
+step at T=1 over assistant tokens. Checkpoints (safetensors + JSON) are written periodically and resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from harness import checkpoints
+from harness.corpus import conversations, encode
+from harness.errors import HarnessError
+from harness.models import LoadedModel, load_model
+from harness.results import ResultStore
+from harness.target import TargetRuntime
+from methods.speculator import Speculator, SpeculatorConfig, unrolled_logits
+
+
+@dataclass
+class DrafterSpec:
+    method: str
+    n: int
+    ls: int
+    schedule: str
+    policy: str
+
+    @property
+    def tag(self) -> str:
+        return f"n{self.n}-ls{self.ls}-{self.schedule}"
+
+
+@dataclass
+class TrainConfig:
+    drafters: list[DrafterSpec]
+    model: str = "smollm2-135m"
+    tokens: int = 1_000_000  # target tokens through the teacher
+    seq_len: int = 256
+    batch_size: int = 4
+    lr: float = 1e-4
+    warmup: float = 0.05  # fraction of steps
+    clip: float = 1.0
+    draft_vocab: int = 8192  # 0: the full vocabulary
+    partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
+    val_conversations: int = 64
+    val_chunks: int = 8
+    save_every: int = 50
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None
+    resume: bool = False
+    command: str = ""
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.tokens / (self.seq_len * self.batch_size)))
+
+
+@dataclass
+class Chunk:
+    ids: torch.Tensor  # [S]
+    loss_mask: torch.Tensor  # [S] bool: position T predicts an assistant token at T+1
+
+
+def _chunks(loaded: LoadedModel, convs: list[list[dict]], seq_len: int) -> list[Chunk]:
+    """Pack conversations into a token stream and cut it into fixed-length chunks."""
+    ids, assistant = [], []
+    for messages in convs:
+        example = encode(loaded.tokenizer, messages, max_tokens=8 * seq_len)
+        ids += example.ids
+        assistant += example.assistant
+    out = []
+    for start in range(0, len(ids) - seq_len, seq_len):
+        chunk_ids = torch.tensor(ids[start:start + seq_len])
+        predicts_assistant = torch.tensor(assistant[start + 1:start + seq_len + 1] + [False])[:seq_len]
+        out.append(Chunk(chunk_ids, predicts_assistant))
+    return out
+
+
+def segment_starts(size: int, n: int, flush: bool, rng: random.Random) -> torch.Tensor:
+    """Per position, where its pipeline segment starts: 0 (full pipeline) or the last simulated flush."""
+    starts = torch.zeros(size, dtype=torch.long)
+    if flush:
+        position = rng.randint(1, 2 * n)
+        while position < size:
+            starts[position:] = position
+            position += rng.randint(1, 2 * n)
+    return starts
+
+
+def fill_levels(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """In-flight tokens older than each query, capped at n - 1 (the steady state)."""
+    return torch.clamp(torch.arange(len(starts)) - starts, max=n - 1)
+
+
+def draft_vocabulary(chunks: list[Chunk], size: int) -> torch.Tensor | None:
+    """The `size` most frequent assistant tokens of the training slice (ids in the target vocabulary)."""
+    if size <= 0:
+        return None
+    counts = Counter()
+    for chunk in chunks:
+        counts.update(chunk.ids[chunk.loss_mask].tolist())
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
+
+
+def teacher(target: TargetRuntime, ids: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
+    """Frozen target on a batch [B, S]: next-token logits [B, S, V] and hidden states at `layers`."""
+    target.reset()
+    h = target.backbone.embed_tokens(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    h, captured = target.run_layers(0, target.num_layers, h, positions, capture=layers)
+    return target.model.lm_head(target.backbone.norm(h)).float(), captured
+
+
+class DrafterTrainer:
+    """One drafter's module, optimiser, schedule and checkpoint folder."""
+
+    def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
+        self.spec, self.config = spec, config
+        self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
+        module_config = SpeculatorConfig(n=spec.n, ls=spec.ls, schedule=spec.schedule, policy=spec.policy,
+                                         num_layers=target.num_layers, target=target.identity.to_dict(),
+                                         draft_vocab_size=None if draft_ids is None else len(draft_ids))
+        self.module = Speculator(module_config, target, draft_ids).float().train()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        warmup = max(1, int(config.warmup * config.steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min((s + 1) / warmup, max(0.0, (config.steps - s) / max(1, config.steps - warmup)))
+        )
+        self.step, self.tokens, self.validation = 0, 0, {}
+
+    def train_step(self, features: dict, p_draft: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> dict:
+        logits = unrolled_logits(self.module, features, starts)
+        log_q = torch.log_softmax(logits, dim=-1)
+        loss = -(p_draft * log_q).sum(-1)[mask].mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        agree = (logits.argmax(-1) == p_draft.argmax(-1))[mask].float().mean()
+        return {"loss": float(loss), "top1": float(agree)}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    tensors[f"{names[id(p)]}::{key}"] = torch.as_tensor(value)
+        return tensors
+
+    def save(self, extra_config: dict) -> None:
+        config = {"speculator": self.module.config.to_dict(), "target": self.module.config.target,
+                  "method": self.spec.method, "train": {"step": self.step, "tokens": self.tokens,
+                                                         "validation": self.validation, **extra_config}}
+        checkpoints.save(self.folder, self.module, config, self.state())
+
+    def resume(self) -> bool:
+        if not (self.folder / checkpoints.CONFIG).exists():
+            return False
+        saved = checkpoints.load_config(self.folder)
+        self.module.load_state_dict(checkpoints.load_weights(self.folder))
+        state = checkpoints.load_weights(self.folder, "train_state.safetensors")
+        by_name = dict(self.module.named_parameters())
+        for key, value in state.items():
+            name, field_name = key.split("::")
+            self.optimizer.state[by_name[name]][field_name] = value
+        self.step, self.tokens = saved["train"]["step"], saved["train"]["tokens"]
+        self.validation = saved["train"].get("validation", {})
+        for _ in range(self.step):
+            self.scheduler.step()
+        return True
+
+
+def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict], probs: list[torch.Tensor],
+             draft_ids) -> dict:
+    """Top-1 agreement with the target per pipeline fill level (0 .. n-1) and KL, on held-out chunks."""
+    n = trainer.spec.n
+    hits, totals, kl_sum, kl_count = torch.zeros(n), torch.zeros(n), 0.0, 0
+    rng = random.Random(1234)
+    trainer.module.eval()
+    with torch.no_grad():
+        for chunk, feats, p in zip(chunks, features, probs):
+            starts = segment_starts(len(chunk.ids), n, flush=True, rng=rng)
+            logits = unrolled_logits(trainer.module, feats, starts[None])[0]
+            q_full = trainer.module.full_vocab(logits)
+            agree = (q_full.argmax(-1) == p.argmax(-1)) & chunk.loss_mask
+            levels = fill_levels(starts, n)
+            hits += torch.bincount(levels[agree], minlength=n)[:n].float()
+            totals += torch.bincount(levels[chunk.loss_mask], minlength=n)[:n].float()
+            p_draft = p if draft_ids is None else p[:, draft_ids]
+            log_q = torch.log_softmax(logits, -1)
+            kl = (p_draft * (torch.log(p_draft.clamp_min(1e-12)) - log_q)).sum(-1)[chunk.loss_mask]
+            kl_sum, kl_count = kl_sum + float(kl.sum()), kl_count + int(kl.numel())
+    trainer.module.train()
+    by_fill = (hits / totals.clamp(min=1)).tolist()
+    return {"top1_by_fill": [round(x, 4) for x in by_fill], "top1": round(float(hits.sum() / totals.sum().clamp(min=1)), 4),
+            "kl": round(kl_sum / max(1, kl_count), 4), "positions": int(totals.sum())}
+
+
+def _batches_needed(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
+    needed = config.steps * config.batch_size
+    chunks: list[Chunk] = []
+    for start in range(0, len(convs), 64):
+        chunks += _chunks(loaded, convs[start:start + 64], config.seq_len)
+        if len(chunks) >= needed:
+            return chunks[:needed]
+    raise HarnessError(f"the corpus yields {len(chunks)} chunks of {config.seq_len} tokens, fewer than the "
+                       f"{needed} that --tokens {config.tokens} needs; lower --tokens")
+
+
+def train(config: TrainConfig) -> list[Path]:
+    """Train every drafter in `config.drafters` on shared teacher passes; returns their checkpoint folders."""
+    torch.manual_seed(config.seed)
+    loaded = load_model(config.model, config.device, config.dtype)
+    target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
+    convs = list(conversations())
+    held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]
+    chunks = _batches_needed(config, loaded, train_convs)
+    val_chunks = _chunks(loaded, held_out, config.seq_len)[:config.val_chunks]
+    draft_ids = draft_vocabulary(chunks, config.draft_vocab)
+    trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
+    for trainer in trainers:
+        if not config.resume and trainer.folder.exists():
+            raise HarnessError(f"checkpoint {trainer.folder} exists; pass --resume to continue it or delete it")
+        if config.resume:
+            trainer.resume()
+    layers = tuple(sorted({layer for t in trainers for layer in t.module.config.all_feature_layers()}))
+    val_inputs = _teacher_inputs(target, val_chunks, layers)
+    start = min(t.step for t in trainers)
+    bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
+               dynamic_ncols=True)
+    began = time.perf_counter()
+    for step in range(start, config.steps):
+        batch = chunks[step * config.batch_size:(step + 1) * config.batch_size]
+        ids = torch.stack([c.ids for c in batch]).to(target.device)
+        mask = torch.stack([c.loss_mask for c in batch]).to(target.device)
+        with torch.no_grad():
+            logits, features = teacher(target, ids, layers)
+            p = torch.softmax(logits, dim=-1)
+            p_draft = p if draft_ids is None else p[..., draft_ids.to(p.device)]
+        rng = random.Random(config.seed * 1_000_003 + step)
+        postfix = {}
+        for trainer in trainers:
+            if trainer.step > step:
+                continue
+            starts = torch.stack([segment_starts(config.seq_len, trainer.spec.n, rng.random() < config.partial_fill, rng)
+                                  for _ in batch]).to(target.device)
+            stats = trainer.train_step(features, p_draft, mask, starts)
+            trainer.tokens += ids.numel()
+            postfix[trainer.spec.tag] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
+        done = step + 1
+        tokens_s = (done - start) * ids.numel() / (time.perf_counter() - began)
+        bar.set_postfix(tok_s=f"{tokens_s:.0f}", **postfix)
+        bar.update()
+        if done % config.save_every == 0 or done == config.steps:
+            for trainer in trainers:
+                trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids)
+                trainer.save({"config": _config_dict(config)})
+            bar.write(f"step {done}: " + "; ".join(f"{t.spec.tag} val top1 {t.validation['top1']:.3f} by fill "
+                                                 f"{t.validation['top1_by_fill']}" for t in trainers))
+    bar.close()
+    _record(loaded, config, trainers)
+    return [t.folder for t in trainers]
+
+
+def _teacher_inputs(target: TargetRuntime, chunks: list[Chunk], layers) -> tuple[list[dict], list[torch.Tensor]]:
+    features, probs = [], []
+    with torch.no_grad():
+        for chunk in chunks:
+            logits, captured = teacher(target, chunk.ids[None].to(target.device), layers)
+            features.append(captured)
+            probs.append(torch.softmax(logits[0], dim=-1))
+    return features, probs
+
+
+def _config_dict(config: TrainConfig) -> dict:
+    return {**asdict(config), "drafters": [asdict(d) for d in config.drafters]}
+
+
+def _record(loaded: LoadedModel, config: TrainConfig, trainers: list[DrafterTrainer]) -> None:
+    """One line per drafter in results/<model>/train.jsonl: command, token count, validation by fill level."""
+    store = ResultStore(Path("results") / loaded.identity.name.replace("/", "--") / "train.jsonl")
+    for t in trainers:
+        store.append({"kind": "train", "config_key": f"{t.spec.method}-{t.spec.tag}", "method": t.spec.method,
+                      "params": {"n": t.spec.n, "ls": t.spec.ls, "schedule": t.spec.schedule},
+                      "model": loaded.identity.to_dict(), "command": config.command, "tokens": t.tokens,
+                      "steps": t.step, "validation": t.validation, "checkpoint": str(t.folder),
+                      "config": _config_dict(config), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
