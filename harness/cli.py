@@ -74,6 +74,10 @@ data_option = click.option("--data-dir", default=None, help="Folder with <datase
 @main.command()
 @click.option("--method", default="autoregressive", show_default=True, help="Registered decoding method.")
 @click.option("--param", "param_pairs", multiple=True, help="Method parameter name=value (repeatable).")
+@click.option("--n", type=int, default=None, help="Pipeline stages (pipeline methods).")
+@click.option("--ls", type=int, default=None, help="Drafter decoder layers (pipeline methods).")
+@click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule (spd).")
+@click.option("--width", type=int, default=None, help="Draft width (1 = chain).")
 @model_option
 @click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True, callback=lambda c, p, v: _datasets(v),
               help="Comma-separated datasets.")
@@ -90,14 +94,16 @@ data_option = click.option("--data-dir", default=None, help="Folder with <datase
               help="Results file (default results/<model>/<method>.jsonl).")
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
 @click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
-def run(method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device, dtype,
-        data_dir, out, checkpoint, skip_missing):
+def run(method, param_pairs, n, ls, schedule, width, model, datasets, temperature, top_k, top_p, max_new_tokens, limit,
+        seed, device, dtype, data_dir, out, checkpoint, skip_missing):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.runner import RunConfig
     from harness.runner import run as run_config
 
+    named = {"n": n, "ls": ls, "schedule": schedule, "width": width}
+    params = {**_params(param_pairs), **{k: v for k, v in named.items() if v is not None}}
     config = RunConfig(
-        method=method, params=_params(param_pairs), model=model, datasets=datasets, temperature=temperature,
+        method=method, params=params, model=model, datasets=datasets, temperature=temperature,
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
         data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing,
     )
@@ -164,14 +170,17 @@ def _int_list(value: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
-POLICIES = {"spd": "multi_depth"}
+POLICIES = {"spd": "multi_depth", "ppsd": "first_stage"}
+DEFAULT_SCHEDULE = {"spd": "input", "ppsd": "output"}
+DEFAULT_LS = {"spd": "4", "ppsd": "1"}
 
 
 @main.command()
 @click.option("--method", type=click.Choice(sorted(POLICIES)), default="spd", show_default=True)
 @click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list trains several).")
-@click.option("--ls", "ls_values", default="4", show_default=True, help="Drafter decoder layers (comma list).")
-@click.option("--schedule", "schedules", default="input", show_default=True, help="input, output or both (comma list).")
+@click.option("--ls", "ls_values", default=None, help="Drafter decoder layers, comma list (default: spd 4, ppsd 1).")
+@click.option("--schedule", "schedules", default=None,
+              help="input, output or both, comma list (default: spd input, ppsd output).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Target tokens to train on (shared by every drafter of this run).")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
@@ -190,10 +199,12 @@ def train(method, n_values, ls_values, schedules, tokens, seq_len, batch_size, l
     from harness.train import DrafterSpec, TrainConfig
     from harness.train import train as run_training
 
+    schedules = schedules or DEFAULT_SCHEDULE[method]
+    ls_values = ls_values or DEFAULT_LS[method]
     schedule_list = [s.strip() for s in schedules.split(",") if s.strip()]
     bad = [s for s in schedule_list if s not in ("input", "output")]
-    if bad or not schedule_list:
-        raise click.BadParameter(f"--schedule must list input and/or output, got {schedules!r}")
+    if bad or not schedule_list or (method == "ppsd" and schedule_list != ["output"]):
+        raise click.BadParameter(f"--schedule must list input and/or output (ppsd: output), got {schedules!r}")
     specs = [DrafterSpec(method, n, ls, s, POLICIES[method])
              for n in _int_list(n_values) for ls in _int_list(ls_values) for s in schedule_list]
     if any(s.n < 1 or s.ls < 1 for s in specs):

@@ -1,11 +1,22 @@
-"""Pooled metrics over result records: sums per dataset and overall, never means of per-sample ratios."""
+"""Pooled metrics over result records: sums per dataset and overall, never means of per-sample ratios.
+
+Definitions (one for every method): tokens/step is tau for draft-then-verify methods and alpha for pipeline
+methods; L'acc = alpha * L / largest stage; theoretical speedup: input schedule alpha*L/max(largest, Ls), output
+schedule and PPSD alpha*L/(largest + Ls); the modeled multi-device speedup puts measured component times in those
+formulas; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the same prompts.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OVERALL = "overall"
+
+
+def _add(totals: dict, values: dict) -> None:
+    for key, value in values.items():
+        totals[key] += value
 
 
 @dataclass
@@ -18,24 +29,41 @@ class Summary:
     samples: int = 0
     new_tokens: int = 0
     steps: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
     checked: int = 0
     identical: int = 0
+    divergences: list = field(default_factory=list)
+    timing: dict = field(default_factory=lambda: defaultdict(float))
+    counts: dict = field(default_factory=lambda: defaultdict(int))
+    fill_drafts: list = field(default_factory=list)
+    fill_accepts: list = field(default_factory=list)
+    baseline_tokens: int = 0
+    baseline_decode_s: float = 0.0
+    pipeline: dict | None = None
 
     def add(self, row: dict) -> None:
         self.samples += 1
         self.new_tokens += row["new_tokens"]
         self.steps += row["steps"]
-        self.prefill_s += row["timing"].get("prefill", 0.0)
-        self.decode_s += row["timing"].get("decode", 0.0)
         self.checked += bool(row["lossless"].get("checked"))
         self.identical += bool(row["lossless"].get("identical"))
+        if row["lossless"].get("checked") and not row["lossless"].get("identical"):
+            self.divergences.append((row["question_id"], row["lossless"].get("first_divergence")))
+        _add(self.timing, row["timing"])
+        stats = row.get("stats", {})
+        _add(self.counts, {k: stats.get(k, 0) for k in ("stage_runs", "drafter_calls", "verifications")})
+        self.pipeline = stats.get("pipeline", self.pipeline)
+        self.fill_drafts = _vector_sum(self.fill_drafts, stats.get("fill_drafts", []))
+        self.fill_accepts = _vector_sum(self.fill_accepts, row.get("position_accepts", []))
+        if row.get("baseline"):
+            self.baseline_tokens += row["baseline"]["new_tokens"]
+            self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
 
+    # --- rates ------------------------------------------------------------------------------------------------
     @property
     def tokens_per_second(self) -> float | None:
-        """Decode throughput: tokens produced after prefill over decode time."""
-        return (self.new_tokens - self.samples) / self.decode_s if self.decode_s > 0 else None
+        """Decode throughput: tokens produced after the prefill token over decode time."""
+        decode = self.timing.get("decode", 0.0)
+        return (self.new_tokens - self.samples) / decode if decode > 0 else None
 
     @property
     def tokens_per_step(self) -> float | None:
@@ -45,6 +73,57 @@ class Summary:
     def lossless_pct(self) -> float | None:
         return 100.0 * self.identical / self.checked if self.checked else None
 
+    @property
+    def fill_acceptance(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.fill_accepts, self.fill_drafts)]
+
+    # --- speedups ---------------------------------------------------------------------------------------------
+    @property
+    def l_acc(self) -> float | None:
+        if self.pipeline is None or self.tokens_per_step is None:
+            return None
+        return self.tokens_per_step * self.pipeline["num_layers"] / self.pipeline["largest_stage"]
+
+    @property
+    def theoretical_speedup(self) -> float | None:
+        if self.method == "autoregressive":
+            return 1.0
+        if self.pipeline is None or self.tokens_per_step is None:
+            return None
+        shape = self.pipeline
+        largest, ls, layers = shape["largest_stage"], shape["ls"], shape["num_layers"]
+        cycle = max(largest, ls) if shape["schedule"] == "input" else largest + ls
+        return self.tokens_per_step * layers / cycle
+
+    @property
+    def modeled_speedup(self) -> float | None:
+        """The theoretical formula with measured times: one device per stage plus one for the drafter."""
+        if self.method == "autoregressive":
+            return 1.0
+        counts, shape = self.counts, self.pipeline
+        if shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]:
+            return None
+        per_layer = self.timing["stages"] / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
+        drafter = self.timing["drafter"] / counts["drafter_calls"]
+        head = self.timing["verify_head"] / counts["verifications"]
+        stage = shape["largest_stage"] * per_layer
+        cycle = (max(stage, drafter) if shape["schedule"] == "input" else stage + drafter) + head
+        return self.tokens_per_step * (shape["num_layers"] * per_layer + head) / cycle
+
+    @property
+    def wall_clock_speedup(self) -> float | None:
+        if self.method == "autoregressive":
+            return 1.0
+        ours = self.tokens_per_second
+        if ours is None or self.baseline_decode_s <= 0:
+            return None
+        return ours / ((self.baseline_tokens - self.samples) / self.baseline_decode_s)
+
+
+def _vector_sum(a: list, b: list) -> list:
+    size = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(size)]
+
 
 def _group(row: dict) -> tuple:
     return row["config_key"], row["method"], row["model"]["name"], row["temperature"]
@@ -53,14 +132,12 @@ def _group(row: dict) -> tuple:
 def summarize(rows: list[dict]) -> list[Summary]:
     """One Summary per (configuration, dataset) and one per configuration over all its datasets."""
     table: dict[tuple, Summary] = {}
-    datasets_per_config: dict[tuple, set] = defaultdict(set)
     for row in rows:
-        group = _group(row)
-        datasets_per_config[group].add(row["dataset"])
         for dataset in (row["dataset"], OVERALL):
-            key = (*group, dataset)
+            key = (*_group(row), dataset)
             if key not in table:
                 table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset)
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
-    return sorted(table.values(), key=lambda s: (s.model, s.method, str(s.params), s.temperature, order.get(s.dataset, s.dataset)))
+    return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.temperature,
+                                                 order.get(s.dataset, s.dataset)))

@@ -1,4 +1,4 @@
-"""Render pooled metrics as Markdown or CSV tables."""
+"""Render pooled metrics as Markdown or CSV: the main table plus per-fill acceptance and lossless details."""
 
 from __future__ import annotations
 
@@ -6,9 +6,19 @@ import csv
 import io
 import json
 
-from harness.metrics import Summary
+from harness.metrics import OVERALL, Summary
 
-COLUMNS = ("method", "params", "model", "T", "dataset", "samples", "new tokens", "tok/s", "steps", "tokens/step", "lossless %")
+COLUMNS = ("method", "params", "model", "T", "dataset", "samples", "new tokens", "steps", "tokens/step",
+           "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
+
+NOTES = """\
+tokens/step: tau (draft-then-verify) or alpha (pipeline: tokens per cycle); L'acc = alpha * L / largest stage.
+theoretical x: input schedule alpha*L/max(largest stage, Ls), output schedule alpha*L/(largest stage + Ls).
+modeled x: the same with measured stage / drafter / verification-head times (one device per stage).
+wall-clock x: decode tok/s over AR's, AR timed beside the method on the same prompts in the same run; a
+single-process pipeline runs its stages one after another, so this is below 1 by construction.
+lossless %: samples token-identical to greedy AR among those checked (T=0); T>0 is covered by distribution tests.
+"""
 
 
 def _params(params: dict) -> str:
@@ -21,31 +31,32 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 def _cells(s: Summary) -> list[str]:
     lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
-    return [
-        s.method,
-        _params(s.params),
-        s.model,
-        f"{s.temperature:g}",
-        s.dataset,
-        str(s.samples),
-        str(s.new_tokens),
-        _num(s.tokens_per_second, 1),
-        str(s.steps),
-        _num(s.tokens_per_step),
-        lossless,
-    ]
+    return [s.method, _params(s.params), s.model, f"{s.temperature:g}", s.dataset, str(s.samples), str(s.new_tokens),
+            str(s.steps), _num(s.tokens_per_step), _num(s.l_acc), _num(s.theoretical_speedup), _num(s.modeled_speedup),
+            _num(s.wall_clock_speedup), _num(s.tokens_per_second, 1), lossless]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + [
+        "| " + " | ".join(r) + " |" for r in rows]
 
 
 def markdown(summaries: list[Summary]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cells(s)) + " |" for s in summaries]
-    notes = [
-        "",
-        "tok/s: decode throughput (tokens after the prefill token / decode seconds), pooled as sums. "
-        "lossless %: samples token-identical to greedy AR among those checked (T=0 runs; T>0 is covered by "
-        "distribution tests).",
-    ]
-    return "\n".join(lines + notes) + "\n"
+    lines = ["## Results", ""] + _table(list(COLUMNS), [_cells(s) for s in summaries]) + ["", NOTES]
+    overall = [s for s in summaries if s.dataset == OVERALL]
+    fills = [s for s in overall if s.fill_drafts]
+    if fills:
+        width = max(len(s.fill_drafts) for s in fills)
+        header = ["method", "params", "T"] + [f"fill {k}" for k in range(width)]
+        rows = [[s.method, _params(s.params), f"{s.temperature:g}"]
+                + [_num(a) for a in s.fill_acceptance] + ["—"] * (width - len(s.fill_drafts)) for s in fills]
+        lines += ["## Draft acceptance by pipeline fill level (in-flight tokens ahead of the draft)", ""]
+        lines += _table(header, rows) + [""]
+    lines += ["## Losslessness", ""]
+    rows = [[s.method, _params(s.params), f"{s.temperature:g}", str(s.checked), str(s.identical),
+             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall]
+    lines += _table(["method", "params", "T", "checked", "identical", "first divergences"], rows)
+    return "\n".join(lines) + "\n"
 
 
 def csv_text(summaries: list[Summary]) -> str:

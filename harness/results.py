@@ -46,6 +46,7 @@ class Record:
     config_key: str
     versions: dict
     stats: dict = field(default_factory=dict)
+    baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
 
     @property
     def sample_key(self) -> tuple[str, str, str]:

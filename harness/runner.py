@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ class RunConfig:
     out: Path | None = None
     checkpoint: str | None = None
     skip_missing: bool = False
+    baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
 
     @property
     def dtype_name(self) -> str:
@@ -52,12 +53,12 @@ class RunConfig:
 
 
 def validate(config: RunConfig) -> None:
-    """Reject bad input before anything is loaded or written."""
+    """Reject bad input before anything is loaded or written; fill the method's default parameters in."""
     check_model_spec(config.model)
     if config.method not in REGISTRY:
         raise HarnessError(f"unknown method {config.method!r}; choose from {', '.join(sorted(REGISTRY))}")
     try:
-        parse_params(REGISTRY[config.method], config.params)
+        config.params = asdict(parse_params(REGISTRY[config.method], config.params))
         config.sampling()
     except (ValueError, TypeError) as exc:
         raise HarnessError(f"{exc}; fix the option") from None
@@ -142,34 +143,51 @@ class Runner:
     def _loop(self, todo, prompts, method, reference, store) -> None:
         bar = tqdm(total=len(todo), desc=f"{self.config.method}", unit="sample", dynamic_ncols=True)
         tokens, seconds = 0, 0.0
-        for sample, prompt in zip(todo, prompts):
-            generation = method.generate(prompt, self.config.max_new_tokens, self._sampler(sample_seed(self.config.seed, sample)))
-            lossless = self._check(prompt, generation.output_ids, reference)
-            store.append(self._record(sample, prompt, generation, lossless))
+        for index, (sample, prompt) in enumerate(zip(todo, prompts)):
+            generation, baseline = self._generate_pair(method, reference, prompt, sample, method_first=index % 2 == 0)
+            lossless = self._check(prompt, generation.output_ids, reference, baseline)
+            store.append(self._record(sample, prompt, generation, lossless, baseline))
             tokens += len(generation.output_ids)
             seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
             bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}", lossless=_flag(lossless))
             bar.update()
         bar.close()
 
+    def _generate_pair(self, method, reference, prompt, sample, method_first: bool):
+        """The method and, unless it is AR itself, AR on the same prompt and seed, in alternating order."""
+        seed = sample_seed(self.config.seed, sample)
+
+        def run(m: Method):
+            return m.generate(prompt, self.config.max_new_tokens, self._sampler(seed))
+
+        if self.config.method == REFERENCE_METHOD or not self.config.baseline:
+            return run(method), None
+        if method_first:
+            generation = run(method)
+            return generation, run(reference)
+        baseline = run(reference)
+        return run(method), baseline
+
     def _sampler(self, seed: int) -> Sampler:
         generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         return Sampler(self.sampling, generator)
 
-    def _check(self, prompt: list[int], output: list[int], reference_method: Method) -> dict:
+    def _check(self, prompt: list[int], output: list[int], reference_method: Method, baseline) -> dict:
         if not self.sampling.greedy:
             return not_checked("sampled run: covered by the distribution tests")
         expected = self.references.get(prompt, self.config.max_new_tokens)
         if expected is None:
             if self.config.method == REFERENCE_METHOD:
                 expected = output
+            elif baseline is not None:
+                expected = baseline.output_ids
             else:
                 greedy = Sampler(SamplingConfig())
                 expected = reference_method.generate(prompt, self.config.max_new_tokens, greedy).output_ids
             self.references.put(prompt, self.config.max_new_tokens, expected)
         return compare(self.target, prompt, output, expected)
 
-    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict) -> Record:
+    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline) -> Record:
         c = self.config
         return Record(
             method=c.method,
@@ -196,6 +214,11 @@ class Runner:
             config_key=self.key,
             versions=versions(),
             stats={**generation.stats, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            baseline=None if baseline is None else {
+                "method": REFERENCE_METHOD,
+                "new_tokens": len(baseline.output_ids),
+                "timing": {k: round(v, 6) for k, v in baseline.timing.items()},
+            },
         )
 
 

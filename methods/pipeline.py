@@ -27,7 +27,7 @@ class Token:
     position: int
     token: int
     depth: int
-    hidden: torch.Tensor  # [1, 1, D]
+    hidden: torch.Tensor | None  # [1, 1, D] while in flight; None for prompt rows
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, 1, D]
     draft_probs: torch.Tensor | None = None  # q used to draft it (T > 0); None for verified tokens
     fill: int = 0  # in-flight tokens older than it when it was drafted (pipeline fill level)
@@ -84,20 +84,23 @@ class PipelineEngine:
         output, in_flight = [first.token], [first]
         accepted_per_cycle: list[int] = []
         fill_drafts, fill_accepts = [0] * n, [0] * n
+        stage_runs, drafter_calls = 0, 0
         with timer("decode"):
             while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
                 draft = None
                 if self.config.schedule == "input":
                     with timer("drafter"):
                         draft = self._draft(drafter, pending, in_flight, sampler)
+                    drafter_calls += 1
                 with timer("stages"):
-                    self._advance(in_flight)
+                    stage_runs += self._advance(in_flight)
                 finished = in_flight.pop(0) if in_flight[0].depth == n else None
                 if finished is not None:
                     pending.append(finished)
                 if self.config.schedule == "output":
                     with timer("drafter"):
                         draft = self._draft(drafter, pending, in_flight, sampler)
+                    drafter_calls += 1
                 if finished is None:
                     in_flight.append(draft)
                     accepted_per_cycle.append(0)
@@ -122,7 +125,13 @@ class PipelineEngine:
             accepted=accepted_per_cycle,
             position_accepts=fill_accepts,
             timing=timer.totals,
-            stats={"fill_drafts": fill_drafts, "n": n},
+            stats={
+                "fill_drafts": fill_drafts,
+                "stage_runs": stage_runs,
+                "drafter_calls": drafter_calls,
+                "verifications": sum(fill_drafts),
+                "pipeline": self.shape(),
+            },
         )
 
     # --- steps ----------------------------------------------------------------------------------------------------
@@ -133,8 +142,7 @@ class PipelineEngine:
         logits, captured = target.forward(ids, start=0, capture=self.capture)
         n = self.config.n
         prompt_rows = [
-            Token(p, t, n, captured[self.bounds[-1][1]][:, p : p + 1],
-                  {layer: captured[layer][:, p : p + 1] for layer in self.capture})
+            Token(p, t, n, None, {layer: captured[layer][:, p : p + 1] for layer in self.capture})
             for p, t in enumerate(prompt_ids)
         ]
         first = self._new_token(len(prompt_ids), sampler.pick(logits[-1]), fill=0)
@@ -155,8 +163,14 @@ class PipelineEngine:
         q = sampler.probs(logits)
         return self._new_token(position, sampler.draw(q), fill, q)
 
-    def _advance(self, in_flight: list[Token]) -> None:
-        """Every in-flight token runs the stage at its depth (newest first is irrelevant: stages own disjoint layers)."""
+    def shape(self) -> dict:
+        """What the speedup formulas need: layer count, stage sizes, drafter depth and schedule."""
+        sizes = [hi - lo for lo, hi in self.bounds]
+        return {"num_layers": self.target.num_layers, "n": self.config.n, "largest_stage": max(sizes),
+                "ls": self.config.ls, "schedule": self.config.schedule}
+
+    def _advance(self, in_flight: list[Token]) -> int:
+        """Every in-flight token runs the stage at its depth (stages own disjoint layers, so order is free)."""
         for tok in in_flight:
             lo, hi = self.bounds[tok.depth]
             wanted = tuple(layer for layer in self.capture if lo < layer <= hi)
@@ -164,6 +178,7 @@ class PipelineEngine:
             tok.hidden, captured = self.target.run_layers(lo, hi, tok.hidden, positions, capture=wanted)
             tok.features.update(captured)
             tok.depth += 1
+        return len(in_flight)
 
     def _verify(self, finished: Token, candidate: Token, sampler: Sampler) -> tuple[bool, int]:
         logits = self.target.logits(finished.hidden)[0]

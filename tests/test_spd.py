@@ -7,18 +7,21 @@ from harness.target import TargetRuntime
 from methods.base import build_method
 from methods.pipeline import Drafter, PipelineEngine
 from methods.sampling import Sampler, SamplingConfig
-from methods.spd import SPD, PipelineParams
+from methods.ppsd import PPSD
+from methods.spd import SPD
 from methods.speculator import Speculator, SpeculatorConfig, stage_bounds
 from tiny_models import tiny_model
 
 GREEDY = SamplingConfig()
 
 
-def _spd(model, n, schedule="input", ls=2, max_len=256):
+def _spd(model, n, schedule="input", ls=2, max_len=256, method=SPD):
     target = TargetRuntime(model, max_len=max_len)
-    config = SpeculatorConfig(n=n, ls=ls, schedule=schedule, num_layers=model.config.num_hidden_layers)
+    config = SpeculatorConfig(n=n, ls=ls, schedule=schedule, policy=method.policy,
+                              num_layers=model.config.num_hidden_layers)
     speculator = Speculator(config, target).eval()
-    return target, SPD(target, PipelineParams(n=n, ls=ls, schedule=schedule), set(), speculator=speculator)
+    params = method.Params(n=n, ls=ls, schedule=schedule)
+    return target, method(target, params, set(), speculator=speculator)
 
 
 def _oracle(reference: dict[int, int], hit_rate: float, seed: int = 0, record: list | None = None):
@@ -51,11 +54,12 @@ def test_stage_bounds_split_near_evenly_with_larger_stages_first():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
-@pytest.mark.parametrize("n, schedule", [(3, "input"), (4, "output"), (6, "input"), (1, "input"), (2, "output")])
+@pytest.mark.parametrize("n, schedule, method", [(3, "input", SPD), (4, "output", SPD), (6, "input", SPD),
+                                                 (1, "input", SPD), (2, "output", SPD), (4, "output", PPSD)])
 @pytest.mark.parametrize("hit_rate", [0.0, 0.8, 1.0])
-def test_greedy_output_is_token_identical_to_ar(arch, n, schedule, hit_rate):
+def test_greedy_output_is_token_identical_to_ar(arch, n, schedule, method, hit_rate):
     model = tiny_model(arch)
-    target, method = _spd(model, n, schedule)
+    target, method = _spd(model, n, schedule, method=method)
     ar = build_method("autoregressive", target, {}, set())
     for prompt in ([7], [3, 4], list(range(10, 19))):  # includes prompts shorter than n
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
@@ -94,14 +98,14 @@ def _exact_joint_of_tokens_1_and_2(model, prompt, vocab):
     return joint.flatten()
 
 
-@pytest.mark.parametrize("schedule", ["input", "output"])
-def test_sampled_tokens_follow_the_target_distribution(schedule):
+@pytest.mark.parametrize("schedule, method", [("input", SPD), ("output", SPD), ("output", PPSD)])
+def test_sampled_tokens_follow_the_target_distribution(schedule, method):
     """T=1: the joint of the 2nd and 3rd generated tokens (both verified drafts) matches the exact target joint."""
     vocab = 4
     model = tiny_model("llama", vocab_size=vocab)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)  # flatter target, so every outcome is likely
-    _, method = _spd(model, 2, schedule)
+    _, method = _spd(model, 2, schedule, method=method)
     with torch.no_grad():  # a drafter far from the target, so a wrong residual would show
         method.speculator.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))
     prompt = [1, 2, 3]
