@@ -211,6 +211,9 @@ def train(method, n_values, ls_values, schedules, tokens, seq_len, batch_size, l
         raise click.BadParameter("--n and --ls must be positive")
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
                          draft_vocab=draft_vocab, save_every=save_every, device=device, dtype=dtype, resume=resume,
-                         command="spd-bench " + " ".join(sys.argv[1:]))
+                         command=(f"spd-bench train --method {method} --n {n_values} --ls {ls_values} --schedule {schedules} "
+                                  f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
+                                  f"--draft-vocab {draft_vocab} --model {model} --device {device}"
+                                  + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):
         click.echo(f"checkpoint: {folder}")

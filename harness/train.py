@@ -151,7 +151,7 @@ class DrafterTrainer:
         self.scheduler.step()
         self.step += 1
         agree = (logits.argmax(-1) == p_draft.argmax(-1))[mask].float().mean()
-        return {"loss": float(loss), "top1": float(agree)}
+        return {"loss": loss.item(), "top1": agree.item()}
 
     def state(self) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -222,6 +222,8 @@ def _batches_needed(config: TrainConfig, loaded: LoadedModel, convs: list[list[d
                        f"{needed} that --tokens {config.tokens} needs; lower --tokens")
 
 
+@torch.inference_mode(False)
+@torch.enable_grad()
 def train(config: TrainConfig) -> list[Path]:
     """Train every drafter in `config.drafters` on shared teacher passes; returns their checkpoint folders."""
     torch.manual_seed(config.seed)
@@ -231,7 +233,9 @@ def train(config: TrainConfig) -> list[Path]:
     held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]
     chunks = _batches_needed(config, loaded, train_convs)
     val_chunks = _chunks(loaded, held_out, config.seq_len)[:config.val_chunks]
-    draft_ids = draft_vocabulary(chunks, config.draft_vocab)
+    draft_ids = _saved_draft_ids(target, config) if config.resume else None
+    if draft_ids is None:
+        draft_ids = draft_vocabulary(chunks, config.draft_vocab)
     trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
     for trainer in trainers:
         if not config.resume and trainer.folder.exists():
@@ -275,6 +279,16 @@ def train(config: TrainConfig) -> list[Path]:
     bar.close()
     _record(loaded, config, trainers)
     return [t.folder for t in trainers]
+
+
+def _saved_draft_ids(target: TargetRuntime, config: TrainConfig) -> torch.Tensor | None:
+    """A resumed run keeps the draft vocabulary its checkpoints were built with."""
+    for spec in config.drafters:
+        folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
+        if (folder / checkpoints.WEIGHTS).exists():
+            ids = checkpoints.load_weights(folder)["draft_ids"]
+            return ids if ids.numel() else None
+    return None
 
 
 def _teacher_inputs(target: TargetRuntime, chunks: list[Chunk], layers) -> tuple[list[dict], list[torch.Tensor]]:

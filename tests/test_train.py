@@ -1,0 +1,66 @@
+"""Training on the real corpus with a tiny target: checkpoints round-trip, resume, and feed `spd-bench run`."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from harness.cli import main
+from harness.corpus import conversations, encode
+from test_cli import tiny_dir  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # the train record goes to ./results
+
+
+def test_sharegpt_is_decoded_record_by_record_and_masks_assistant_tokens(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    first = next(conversations())
+    assert first[0]["role"] == "user" and first[1]["role"] == "assistant"
+    example = encode(tokenizer, first, max_tokens=400)
+    reply = tokenizer.decode([t for t, a in zip(example.ids, example.assistant) if a])
+    assert reply.startswith(first[1]["content"][:40]) and "<|im_start|>user" not in reply
+
+
+def test_train_then_resume_then_run_the_trained_drafter(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
+    train = ["train", "--model", str(tiny_dir), "--n", "2", "--ls", "1", "--seq-len", "32", "--batch-size", "2",
+             "--draft-vocab", "512", "--save-every", "2"]
+    result = CliRunner().invoke(main, train + ["--tokens", "128"])
+    assert result.exit_code == 0, result.output
+    folder = tmp_path / "cache" / "drafters"
+    (checkpoint,) = folder.glob("*/spd-n2-ls1-input")
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert saved["train"]["step"] == 2 and saved["train"]["tokens"] == 128
+    assert len(saved["train"]["validation"]["top1_by_fill"]) == 2
+
+    again = CliRunner().invoke(main, train + ["--tokens", "128"])
+    assert again.exit_code == 2 and "--resume" in again.output
+    resumed = CliRunner().invoke(main, train + ["--tokens", "256", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((checkpoint / "config.json").read_text())["train"]["step"] == 4
+    record = json.loads((tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text().splitlines()[-1])
+    assert record["tokens"] == 256 and "spd-bench train" in record["command"]
+
+    out = tmp_path / "spd.jsonl"
+    run = CliRunner().invoke(main, ["run", "--method", "spd", "--n", "2", "--ls", "1", "--model", str(tiny_dir),
+                                    "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "10",
+                                    "--data-dir", str(eval_dir), "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["lossless"]["identical"] and r["baseline"]["new_tokens"] == 10 for r in rows)
+    assert rows[0]["params"] == {"n": 2, "ls": 1, "schedule": "input", "width": 1}
+
+
+def test_run_without_a_drafter_names_the_train_command(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
+    out = tmp_path / "spd.jsonl"
+    result = CliRunner().invoke(main, ["run", "--method", "spd", "--n", "3", "--ls", "2", "--model", str(tiny_dir),
+                                       "--dataset", "gsm8k", "--limit", "1", "--data-dir", str(eval_dir),
+                                       "--out", str(out)])
+    assert result.exit_code == 2
+    assert "spd-bench train --method spd --n 3 --ls 2 --schedule input" in result.output
+    assert not out.exists()
