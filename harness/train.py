@@ -134,11 +134,12 @@ class DrafterTrainer:
         self.module = Speculator(module_config, target, draft_ids).float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-        warmup = max(1, int(config.warmup * config.steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min((s + 1) / warmup, max(0.0, (config.steps - s) / max(1, config.steps - warmup)))
-        )
         self.step, self.tokens, self.validation = 0, 0, {}
+
+    def learning_rate(self) -> float:
+        """Linear warm-up, then linear decay to zero at the last step."""
+        steps, warmup = self.config.steps, max(1, int(self.config.warmup * self.config.steps))
+        return self.config.lr * min((self.step + 1) / warmup, max(0.0, (steps - self.step) / max(1, steps - warmup)))
 
     def train_step(self, features: dict, p_draft: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> dict:
         logits = unrolled_logits(self.module, features, starts)
@@ -147,8 +148,9 @@ class DrafterTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate()
         self.optimizer.step()
-        self.scheduler.step()
         self.step += 1
         agree = (logits.argmax(-1) == p_draft.argmax(-1))[mask].float().mean()
         return {"loss": loss.item(), "top1": agree.item()}
@@ -180,8 +182,6 @@ class DrafterTrainer:
             self.optimizer.state[by_name[name]][field_name] = value
         self.step, self.tokens = saved["train"]["step"], saved["train"]["tokens"]
         self.validation = saved["train"].get("validation", {})
-        for _ in range(self.step):
-            self.scheduler.step()
         return True
 
 
