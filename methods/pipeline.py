@@ -33,6 +33,25 @@ class Token:
     fill: int = 0  # in-flight tokens older than it when it was drafted (pipeline fill level)
 
 
+@dataclass
+class _Run:
+    """Mutable state of one generation: committed output, pipeline contents and counters."""
+
+    output: list[int]
+    in_flight: list[Token]
+    pending: list[Token]  # finished tokens whose drafter rows are not final yet
+    n: int
+    accepted: list[int] = field(default_factory=list)  # tokens committed per cycle (0 while filling)
+    stage_runs: int = 0
+    drafter_calls: int = 0
+    fill_drafts: list[int] = field(default_factory=list)
+    fill_accepts: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.fill_drafts = [0] * self.n
+        self.fill_accepts = [0] * self.n
+
+
 class Drafter:
     """The speculator's inference side: its own KV cache holds finished rows; in-flight rows are recomputed."""
 
@@ -74,65 +93,65 @@ class PipelineEngine:
             raise ValueError(f"target rewind window {target.rewind_window} < n = {self.config.n}")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        n = self.config.n
-        target = self.target
-        target.reset()
-        drafter = self.drafter_class(self.speculator, target.max_len)
-        timer = Timer(target.device)
+        self.target.reset()
+        drafter = self.drafter_class(self.speculator, self.target.max_len)
+        timer = Timer(self.target.device)
         with timer("prefill"):
-            first, pending = self._prefill(prompt_ids, sampler)
-        output, in_flight = [first.token], [first]
-        accepted_per_cycle: list[int] = []
-        fill_drafts, fill_accepts = [0] * n, [0] * n
-        stage_runs, drafter_calls = 0, 0
+            first, finished_rows = self._prefill(prompt_ids, sampler)
+        run = _Run(output=[first.token], in_flight=[first], pending=finished_rows, n=self.config.n)
         with timer("decode"):
-            while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
-                draft = None
-                if self.config.schedule == "input":
-                    with timer("drafter"):
-                        draft = self._draft(drafter, pending, in_flight, sampler)
-                    drafter_calls += 1
-                with timer("stages"):
-                    stage_runs += self._advance(in_flight)
-                finished = in_flight.pop(0) if in_flight[0].depth == n else None
-                if finished is not None:
-                    pending.append(finished)
-                if self.config.schedule == "output":
-                    with timer("drafter"):
-                        draft = self._draft(drafter, pending, in_flight, sampler)
-                    drafter_calls += 1
-                if finished is None:
-                    in_flight.append(draft)
-                    accepted_per_cycle.append(0)
-                    continue
-                with timer("verify_head"):
-                    candidate = in_flight[0] if in_flight else draft
-                    ok, token = self._verify(finished, candidate, sampler)
-                fill_drafts[candidate.fill] += 1
-                accepted_per_cycle.append(1)
-                if ok:
-                    fill_accepts[candidate.fill] += 1
-                    output.append(candidate.token)
-                    in_flight.append(draft)  # when n == 1 the draft is the candidate itself
-                else:
-                    output.append(token)
-                    position = finished.position + 1
-                    target.truncate(position)
-                    in_flight = [self._new_token(position, token, fill=0)]
+            while len(run.output) < max_new_tokens and run.output[-1] not in self.stop_ids:
+                self._cycle(run, drafter, sampler, timer)
         return Generation(
-            output_ids=output,
-            steps=len(accepted_per_cycle),
-            accepted=accepted_per_cycle,
-            position_accepts=fill_accepts,
+            output_ids=run.output,
+            steps=len(run.accepted),
+            accepted=run.accepted,
+            position_accepts=run.fill_accepts,
             timing=timer.totals,
             stats={
-                "fill_drafts": fill_drafts,
-                "stage_runs": stage_runs,
-                "drafter_calls": drafter_calls,
-                "verifications": sum(fill_drafts),
+                "fill_drafts": run.fill_drafts,
+                "stage_runs": run.stage_runs,
+                "drafter_calls": run.drafter_calls,
+                "verifications": sum(run.fill_drafts),
                 "pipeline": self.shape(),
             },
         )
+
+    def _cycle(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> None:
+        """Draft (before or after the step, by schedule), advance every stage, verify if a token finished."""
+        if self.config.schedule == "input":
+            draft = self._timed_draft(run, drafter, sampler, timer)
+        with timer("stages"):
+            run.stage_runs += self._advance(run.in_flight)
+        finished = run.in_flight.pop(0) if run.in_flight[0].depth == self.config.n else None
+        if finished is not None:
+            run.pending.append(finished)
+        if self.config.schedule == "output":
+            draft = self._timed_draft(run, drafter, sampler, timer)
+        if finished is None:  # the pipeline is still filling
+            run.in_flight.append(draft)
+            run.accepted.append(0)
+            return
+        with timer("verify_head"):
+            candidate = run.in_flight[0] if run.in_flight else draft  # n == 1: this cycle's draft is next
+            ok, token = self._verify(finished, candidate, sampler)
+        run.fill_drafts[candidate.fill] += 1
+        run.accepted.append(1)
+        if ok:
+            run.fill_accepts[candidate.fill] += 1
+            run.output.append(candidate.token)
+            run.in_flight.append(draft)
+            return
+        run.output.append(token)
+        position = finished.position + 1
+        self.target.truncate(position)
+        run.in_flight = [self._new_token(position, token, fill=0)]
+
+    def _timed_draft(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> Token:
+        with timer("drafter"):
+            draft = self._draft(drafter, run.pending, run.in_flight, sampler)
+        run.drafter_calls += 1
+        return draft
 
     # --- steps ----------------------------------------------------------------------------------------------------
     def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
