@@ -144,7 +144,8 @@ class DrafterTrainer:
     def train_step(self, features: dict, p_draft: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> dict:
         logits = unrolled_logits(self.module, features, starts)
         log_q = torch.log_softmax(logits, dim=-1)
-        loss = -(p_draft * log_q).sum(-1)[mask].mean()
+        # Sum over assistant positions / their count (at least 1): a batch without any contributes zero gradient.
+        loss = -(p_draft * log_q).sum(-1)[mask].sum() / mask.sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip)
@@ -152,7 +153,7 @@ class DrafterTrainer:
             group["lr"] = self.learning_rate()
         self.optimizer.step()
         self.step += 1
-        agree = (logits.argmax(-1) == p_draft.argmax(-1))[mask].float().mean()
+        agree = (logits.argmax(-1) == p_draft.argmax(-1))[mask].float().sum() / mask.sum().clamp(min=1)
         return {"loss": loss.item(), "top1": agree.item()}
 
     def state(self) -> dict[str, torch.Tensor]:
