@@ -8,7 +8,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SHARED_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+# The paper's prompt sets live beside the checkout (../shared/data/eval); $SPD_BENCH_EVAL overrides the location.
+SHARED_EVAL = Path(os.environ.get("SPD_BENCH_EVAL", Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"))
 
 
 @pytest.fixture(autouse=True)
