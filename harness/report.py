@@ -50,7 +50,7 @@ def markdown(summaries: list[Summary]) -> str:
         header = ["method", "params", "T"] + [f"fill {k}" for k in range(width)]
         rows = [[s.method, _params(s.params), f"{s.temperature:g}"]
                 + [_num(a) for a in s.fill_acceptance] + ["—"] * (width - len(s.fill_drafts)) for s in fills]
-        lines += ["## Draft acceptance by pipeline fill level (in-flight tokens ahead of the draft)", ""]
+        lines += ["## Draft acceptance by pipeline fill level (fill k: drafted with k + 1 tokens in flight)", ""]
         lines += _table(header, rows) + [""]
     lines += ["## Losslessness", ""]
     rows = [[s.method, _params(s.params), f"{s.temperature:g}", str(s.checked), str(s.identical),

@@ -63,6 +63,8 @@ class Drafter:
     def logits(self, rows: list[Token]) -> torch.Tensor:
         """Draft logits (full vocabulary) for the position after the last row; rows start at `self.final`."""
         spec = self.speculator
+        if rows[0].position != self.final:
+            raise ValueError(f"drafter rows start at {rows[0].position}, but rows below {self.final} are final")
         x = torch.cat([spec.project(r.depth, r.features) for r in rows], dim=1)
         positions = torch.tensor([r.position for r in rows], device=x.device)
         start = rows[0].position
