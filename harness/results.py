@@ -70,7 +70,7 @@ class ResultStore:
                     if line.strip():
                         rows.append(self._parse(line, number))
         except (OSError, UnicodeDecodeError) as exc:
-            raise HarnessError(f"cannot read results file {self.path} ({exc}); fix its permissions or pass another --out")
+            raise self._unreadable(exc) from None
         return rows
 
     def finished(self) -> set[tuple[str, str, str]]:
@@ -86,6 +86,9 @@ class ResultStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _unreadable(self, exc: Exception) -> HarnessError:
+        return HarnessError(f"cannot read results file {self.path} ({exc}); fix its permissions or pass another --out")
 
     def _parse(self, line: str, number: int) -> dict:
         try:
@@ -106,7 +109,7 @@ class ResultStore:
                 if data and not data.endswith(b"\n"):
                     fh.truncate(data.rfind(b"\n") + 1)
         except OSError as exc:
-            raise HarnessError(f"cannot read results file {self.path} ({exc}); fix its permissions or pass another --out")
+            raise self._unreadable(exc) from None
 
 
 def load_all(results: Path) -> list[dict]:

@@ -7,12 +7,11 @@ step at T=1 over assistant tokens. Checkpoints (safetensors + JSON) are written 
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -212,7 +211,7 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
             "kl": round(kl_sum / max(1, kl_count), 4), "positions": int(totals.sum())}
 
 
-def _batches_needed(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
+def _training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
     needed = config.steps * config.batch_size
     chunks: list[Chunk] = []
     for start in range(0, len(convs), 64):
@@ -232,7 +231,7 @@ def train(config: TrainConfig) -> list[Path]:
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
     convs = list(conversations())
     held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]
-    chunks = _batches_needed(config, loaded, train_convs)
+    chunks = _training_chunks(config, loaded, train_convs)
     val_chunks = _chunks(loaded, held_out, config.seq_len)[:config.val_chunks]
     draft_ids = _saved_draft_ids(target, config) if config.resume else None
     if draft_ids is None:

@@ -5,7 +5,7 @@ import torch
 
 from harness.target import TargetRuntime
 from methods.base import build_method
-from methods.pipeline import Drafter, PipelineEngine
+from methods.pipeline import Drafter
 from methods.sampling import Sampler, SamplingConfig
 from methods.ppsd import PPSD
 from methods.spd import SPD
