@@ -47,6 +47,7 @@ def _timed(fn, ids: list[int]) -> tuple[float, list[int]]:
 def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeats: int, device: str, dtype: str | None,
              data_dir: str | None) -> BenchResult:
     loaded = load_model(model, device, dtype)
+    reference = load_model(model, device, dtype)  # HF generate runs on an untouched copy, as a user would load it
     samples = load_samples(dataset, data_dir, prompts)
     prompt_ids = [render_prompt(loaded.tokenizer, s.prompt) for s in samples]
     target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8)
@@ -58,7 +59,7 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
 
     def run_hf(ids):
         # Same stopping rule as ours: the run ends after the first end-of-turn id or max_new_tokens.
-        out = loaded.model.generate(
+        out = reference.model.generate(
             torch.tensor([ids], device=loaded.device), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=sorted(stop_ids(loaded)), pad_token_id=sorted(stop_ids(loaded))[0],
         )

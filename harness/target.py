@@ -64,9 +64,13 @@ class StateCache:
             self.keys[layer_idx] = key.new_zeros(shape)
             self.values[layer_idx] = value.new_zeros(shape)
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        k_buf[:, :, self.write] = key
-        v_buf[:, :, self.write] = value
-        return k_buf[:, :, : self.kv_end], v_buf[:, :, : self.kv_end]
+        if isinstance(self.write, slice):  # the decode hot path: narrow().copy_() avoids generic indexing
+            k_buf.narrow(2, self.write.start, key.shape[2]).copy_(key)
+            v_buf.narrow(2, self.write.start, value.shape[2]).copy_(value)
+        else:
+            k_buf[:, :, self.write] = key
+            v_buf[:, :, self.write] = value
+        return k_buf.narrow(2, 0, self.kv_end), v_buf.narrow(2, 0, self.kv_end)
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
         """Copy the KV of slots `src` to contiguous slots from `dst_start` (keeps an accepted tree path)."""
@@ -115,6 +119,18 @@ class StateCache:
                 state.restore(length, layer_idx)
 
 
+def column_major_linears(model: torch.nn.Module) -> None:
+    """Store every Linear weight column-major (in place, same values and shapes).
+
+    Single-token decode is a matrix-vector product per weight; on CPU, MKL reads a column-major weight at
+    roughly twice the bandwidth of the default row-major one (lm_head of SmolLM2: 4.8 ms vs 10.2 ms).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.stride(0) != 1:
+                module.weight.data = module.weight.data.t().contiguous().t()
+
+
 class TargetRuntime:
     """Layer-range execution of one sequence (batch 1) on a frozen HF causal LM."""
 
@@ -133,6 +149,8 @@ class TargetRuntime:
         self.rewind_window = rewind_window
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.device.type == "cpu":
+            column_major_linears(model)
         self.cache = StateCache(self.layer_types, max_len, rewind_window)
 
     @property
