@@ -51,7 +51,8 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
     samples = load_samples(dataset, data_dir, prompts)
     prompt_ids = [render_prompt(loaded.tokenizer, s.prompt) for s in samples]
     target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8)
-    ours = build_method("autoregressive", target, {}, stop_ids(loaded))
+    stops = sorted(stop_ids(loaded))
+    ours = build_method("autoregressive", target, {}, set(stops))
     greedy = Sampler(SamplingConfig())
 
     def run_ours(ids):
@@ -61,7 +62,7 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
         # Same stopping rule as ours: the run ends after the first end-of-turn id or max_new_tokens.
         out = reference.model.generate(
             torch.tensor([ids], device=loaded.device), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=sorted(stop_ids(loaded)), pad_token_id=sorted(stop_ids(loaded))[0],
+            eos_token_id=stops, pad_token_id=stops[0],
         )
         return out[0, len(ids):].tolist()
 

@@ -16,6 +16,7 @@ from harness.paths import cache_dir
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+TRAIN_STATE = "train_state.safetensors"  # optimiser state, for --resume
 
 
 def drafter_dir(identity, method: str, tag: str) -> Path:
@@ -30,7 +31,7 @@ def save(folder: Path, module: torch.nn.Module, config: dict, extra: dict[str, t
     tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     save_file(tensors, tmp / WEIGHTS)
     if extra:
-        save_file({k: v.contiguous().cpu() for k, v in extra.items()}, tmp / "train_state.safetensors")
+        save_file({k: v.contiguous().cpu() for k, v in extra.items()}, tmp / TRAIN_STATE)
     (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     old = folder.with_name(f".{folder.name}.old")
     if folder.exists():

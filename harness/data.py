@@ -47,6 +47,10 @@ def _read_eagle_jsonl(name: str, path: Path) -> list[Sample]:
     return samples
 
 
+def _humaneval_sample(row: dict) -> Sample:
+    return Sample("humaneval", int(row["task_id"].split("/")[1]), "code", HUMANEVAL_PREFIX + row["prompt"])
+
+
 def _package_file(distribution: str, relative: str) -> Path | None:
     try:
         path = Path(importlib.metadata.distribution(distribution).locate_file(relative))
@@ -68,7 +72,7 @@ def _from_package(name: str) -> list[Sample] | None:
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
         return [
-            Sample(name, int(r["task_id"].split("/")[1]), "code", HUMANEVAL_PREFIX + r["prompt"]) for r in rows
+            _humaneval_sample(r) for r in rows
         ]
     return None
 
@@ -96,7 +100,7 @@ def _from_hub(name: str) -> list[Sample] | None:
         if name == "humaneval":
             rows = datasets.load_dataset("openai/openai_humaneval", split="test")
             return [
-                Sample(name, int(r["task_id"].split("/")[1]), "code", HUMANEVAL_PREFIX + r["prompt"]) for r in rows
+                _humaneval_sample(r) for r in rows
             ]
         if name == "mt_bench":
             rows = datasets.load_dataset("HuggingFaceH4/mt_bench_prompts", split="train")

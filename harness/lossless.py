@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from harness.models import ModelIdentity
 from harness.paths import cache_dir
+from harness.results import append_line
 from harness.target import TargetRuntime
 
 
@@ -44,12 +44,7 @@ class ReferenceCache:
     def put(self, prompt_ids: list[int], max_new_tokens: int, output_ids: list[int]) -> None:
         key = self.key(prompt_ids, max_new_tokens)
         self._load()[key] = output_ids
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps({"key": key, "output_ids": output_ids}) + "\n").encode())
-        finally:
-            os.close(fd)
+        append_line(self.path, {"key": key, "output_ids": output_ids})
 
 
 def first_divergence(output: list[int], reference: list[int]) -> int | None:

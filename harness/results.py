@@ -20,6 +20,18 @@ def config_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def append_line(path: Path, row: dict) -> None:
+    """Append one JSON line with a single write, flushed to disk: a kill leaves at most a torn last line."""
+    line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class Record:
     method: str
@@ -77,15 +89,7 @@ class ResultStore:
         return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in self.load()}
 
     def append(self, record: Record | dict) -> None:
-        row = record if isinstance(record, dict) else asdict(record)
-        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, record if isinstance(record, dict) else asdict(record))
 
     def _unreadable(self, exc: Exception) -> HarnessError:
         return HarnessError(f"cannot read results file {self.path} ({exc}); fix its permissions or pass another --out")

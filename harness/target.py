@@ -57,6 +57,29 @@ class StateCache:
         self.kv_end = 0
         self._pending_len = 0
 
+    def begin(self, positions: torch.Tensor, slots: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Set where this call's KV goes (default: slots = positions) and return its attention mask.
+
+        `mask` [T, kv_end] says which cache slots each token sees; the default is every slot up to its own
+        (causal). Returns a boolean [1, 1, T, kv_end] mask, or None when a single query may see every slot.
+        """
+        if slots is None:
+            start = int(positions[0])
+            self.write, self.kv_end, slots = slice(start, start + len(positions)), start + len(positions), positions
+        else:  # linear-attention layers refuse this form: they need contiguous appends
+            self.write, self.kv_end = slots, int(slots.max()) + 1
+        if self.kv_end > self.max_len:
+            raise ValueError(f"sequence length {self.kv_end} exceeds the cache's max_len {self.max_len}")
+        if mask is None:
+            if len(slots) == 1:
+                return None
+            keys = torch.arange(self.kv_end, device=slots.device)
+            return (keys[None, :] <= slots[:, None])[None, None]
+        if mask.shape != (len(slots), self.kv_end):
+            raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(len(slots), self.kv_end)}")
+        return mask.to(torch.bool)[None, None]
+
     # --- attention layers -------------------------------------------------------------------------------------
     def update(self, key, value, layer_idx, **_):
         if layer_idx not in self.keys:
@@ -189,8 +212,8 @@ class TargetRuntime:
         `capture` within [lo, hi] (h[0] = embedding, h[k] = output of layer k, pre-norm).
         """
         positions = positions.to(self.device)
-        self._prepare_cache(positions, slots)
-        attn_mask = self._attention_mask(positions if slots is None else slots, mask)
+        attn_mask = self.cache.begin(positions, None if slots is None else slots.to(self.device),
+                                     None if mask is None else mask.to(self.device))
         if mask is not None and any(t == "linear_attention" for t in self.layer_types[lo:hi]):
             raise ValueError("custom attention masks cannot be applied to linear-attention layers")
         rope = self.backbone.rotary_emb(h, positions[None])
@@ -212,27 +235,3 @@ class TargetRuntime:
         positions = torch.arange(start, start + len(ids), device=self.device)
         h, captured = self.run_layers(0, self.num_layers, self.embed(ids), positions, capture=capture)
         return self.logits(h), captured
-
-    def _prepare_cache(self, positions: torch.Tensor, slots: torch.Tensor | None) -> None:
-        if slots is None:
-            start = int(positions[0])
-            count = len(positions)
-            self.cache.write = slice(start, start + count)
-            self.cache.kv_end = start + count
-        else:  # linear-attention layers refuse this form: they need contiguous appends
-            self.cache.write = slots.to(self.device)
-            self.cache.kv_end = int(slots.max()) + 1
-        if self.cache.kv_end > self.max_len:
-            raise ValueError(f"sequence length {self.cache.kv_end} exceeds the runtime's max_len {self.max_len}")
-
-    def _attention_mask(self, slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Boolean [1, 1, T, kv_end] mask, or None when a single query may see every cached slot."""
-        kv_end = self.cache.kv_end
-        if mask is None:
-            if len(slots) == 1:
-                return None
-            keys = torch.arange(kv_end, device=self.device)
-            return (keys[None, :] <= slots.to(self.device)[:, None])[None, None]
-        if mask.shape != (len(slots), kv_end):
-            raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(len(slots), kv_end)}")
-        return mask.to(self.device, torch.bool)[None, None]

@@ -170,19 +170,19 @@ class DrafterTrainer:
                                                          "validation": self.validation, **extra_config}}
         checkpoints.save(self.folder, self.module, config, self.state())
 
-    def resume(self) -> bool:
+    def resume(self) -> None:
+        """Continue from this drafter's checkpoint, if it has one."""
         if not (self.folder / checkpoints.CONFIG).exists():
-            return False
+            return
         saved = checkpoints.load_config(self.folder)
         self.module.load_state_dict(checkpoints.load_weights(self.folder))
-        state = checkpoints.load_weights(self.folder, "train_state.safetensors")
+        state = checkpoints.load_weights(self.folder, checkpoints.TRAIN_STATE)
         by_name = dict(self.module.named_parameters())
         for key, value in state.items():
             name, field_name = key.split("::")
             self.optimizer.state[by_name[name]][field_name] = value
         self.step, self.tokens = saved["train"]["step"], saved["train"]["tokens"]
         self.validation = saved["train"].get("validation", {})
-        return True
 
 
 def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict], probs: list[torch.Tensor],

@@ -67,12 +67,7 @@ class Drafter:
             raise ValueError(f"drafter rows start at {rows[0].position}, but rows below {self.final} are final")
         x = torch.cat([spec.project(r.depth, r.features) for r in rows], dim=1)
         positions = torch.tensor([r.position for r in rows], device=x.device)
-        start = rows[0].position
-        self.cache.write, self.cache.kv_end = slice(start, start + len(rows)), start + len(rows)
-        mask = None
-        if len(rows) > 1:
-            keys = torch.arange(self.cache.kv_end, device=x.device)
-            mask = (keys[None, :] <= positions[:, None])[None, None]
+        mask = self.cache.begin(positions)
         out = spec.rows_forward(x, positions, mask, self.cache)
         finished = [r.position for r in rows if r.depth == spec.config.n]
         if finished:
