@@ -123,7 +123,7 @@ class Runner:
 
     def _method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
         if self.target is None:
-            max_len = max(len(p) for p in prompts) + self.config.max_new_tokens + 64
+            max_len = max(len(p) for p in prompts) + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
             self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity)
         return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
 

@@ -61,14 +61,17 @@ class StateCache:
               mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Set where this call's KV goes (default: slots = positions) and return its attention mask.
 
-        `mask` [T, kv_end] says which cache slots each token sees; the default is every slot up to its own
-        (causal). Returns a boolean [1, 1, T, kv_end] mask, or None when a single query may see every slot.
+        `mask` [T, kv_end] says which cache slots each token sees (its width sets kv_end, so a row may see
+        slots above its own); the default is every slot up to its own (causal). Returns a boolean [1, 1, T, kv_end] mask, or None when a single query may see every slot.
         """
         if slots is None:
             start = int(positions[0])
             self.write, self.kv_end, slots = slice(start, start + len(positions)), start + len(positions), positions
         else:  # linear-attention layers refuse this form: they need contiguous appends
-            self.write, self.kv_end = slots, int(slots.max()) + 1
+            self.write = slots
+            self.kv_end = mask.shape[-1] if mask is not None else int(slots.max()) + 1
+            if int(slots.max()) >= self.kv_end:
+                raise ValueError(f"slot {int(slots.max())} lies outside the mask's {self.kv_end} columns")
         if self.kv_end > self.max_len:
             raise ValueError(f"sequence length {self.kv_end} exceeds the cache's max_len {self.max_len}")
         if mask is None:

@@ -1,10 +1,16 @@
-"""The speculative pipeline engine: n target stages with one in-flight token per stage, drafted by a Speculator.
+"""The speculative pipeline engine: n target stages with the in-flight tokens of up to W draft branches.
 
 One cycle: (input schedule) draft from the pre-step features, advance every in-flight token by one stage,
 (output schedule) draft from the post-step features, then, if the oldest token finished the last stage, its
-target distribution verifies the token in flight right behind it. Accept: the draft enters stage 0. Reject: KV is
-truncated (linear-attention state rewound), the pipeline is flushed and the correction enters alone.
-SPD, its output-state ablation and PPSD are configurations (feature policy x schedule) of this one engine.
+target distribution verifies the tokens in flight right behind it. Accept: the accepted token's subtree stays and
+the drafts enter stage 0. Reject: KV is truncated (linear-attention state rewound), the pipeline is flushed and the
+correction enters alone. SPD, its output-state ablation and PPSD are configurations (feature policy x schedule).
+
+In-flight tokens form levels, one per position (oldest first). Width 1 keeps one token per level (a chain);
+width W keeps up to W branches ranked by cumulative draft log-probability. Every node of a level runs its stage in
+one batched call with a tree mask; a branch's KV lives at its position when it is alone there, else in a sibling
+slot (position + b * n) that is moved to the position when the target accepts it. Every kept node leads to a
+newest-level leaf, so after any acceptance stage 0 still has work.
 """
 
 from __future__ import annotations
@@ -13,24 +19,68 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Timer
 from methods.sampling import Sampler
 from methods.speculator import Speculator
-from methods.verify import accept_or_resample
+from methods.verify import accept_or_resample, verify_siblings
 
 
-@dataclass
+@dataclass(eq=False)
 class Token:
-    """A token in the pipeline: its position, id, current hidden state and the features captured so far."""
+    """A token in the pipeline: its position, id, current hidden state, features so far and place in the tree."""
 
     position: int
     token: int
     depth: int
     hidden: torch.Tensor | None  # [1, 1, D] while in flight; None for prompt rows
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, 1, D]
-    draft_probs: torch.Tensor | None = None  # q used to draft it (T > 0); None for verified tokens
-    fill: int = 0  # in-flight tokens older than it when it was drafted (pipeline fill level)
+    draft_probs: torch.Tensor | None = None  # q of a sampled chain draft (T > 0, width 1)
+    fill: int = 0  # in-flight levels older than it when it was drafted (pipeline fill level)
+    slot: int = -1  # KV slot in the target and drafter caches (-1: its position)
+    parent: Token | None = None  # the in-flight token it continues (None once that one finished)
+    score: float = 0.0  # cumulative draft log-probability of its branch
+
+    def __post_init__(self):
+        if self.slot < 0:
+            self.slot = self.position
+
+
+Level = list[Token]
+
+
+def is_chain(levels: list[Level]) -> bool:
+    """One token per level, each at its own position: plain causal calls need no mask."""
+    return all(len(level) == 1 and level[0].slot == level[0].position for level in levels)
+
+
+def tree_mask(rows: list[Token], base: int, kv_end: int) -> torch.Tensor:
+    """[rows, kv_end]: every slot below `base` (finished tokens) plus the row's in-flight ancestors and itself."""
+    mask = torch.zeros(len(rows), kv_end, dtype=torch.bool)
+    mask[:, :base] = True
+    for i, node in enumerate(rows):
+        while node is not None and node.position >= base:
+            mask[i, node.slot] = True
+            node = node.parent
+    return mask
+
+
+def prune_dead_branches(levels: list[Level]) -> None:
+    """Drop (in place) every node with no descendant in the newest level."""
+    for older, newer in zip(reversed(levels[:-1]), reversed(levels[1:])):
+        parents = {id(t.parent) for t in newer}
+        older[:] = [t for t in older if id(t) in parents]
+
+
+def keep_subtree(chosen: Token, levels: list[Level]) -> None:
+    """`chosen` is verified: its level keeps only it, later levels only its descendants (in place)."""
+    start = next(i for i, level in enumerate(levels) if any(t is chosen for t in level))
+    levels[start][:] = [chosen]
+    alive = {id(chosen)}
+    for level in levels[start + 1 :]:
+        level[:] = [t for t in level if id(t.parent) in alive]
+        alive = {id(t) for t in level}
 
 
 @dataclass
@@ -38,7 +88,7 @@ class _Run:
     """Mutable state of one generation: committed output, pipeline contents and counters."""
 
     output: list[int]
-    in_flight: list[Token]
+    in_flight: list[Level]
     pending: list[Token]  # finished tokens whose drafter rows are not final yet
     n: int
     accepted: list[int] = field(default_factory=list)  # tokens committed per cycle (0 while filling)
@@ -60,34 +110,52 @@ class Drafter:
         self.cache = StateCache(["full_attention"] * speculator.config.ls, max_len, rewind_window=0)
         self.final = 0  # rows below this position are final (depth n) in the cache
 
-    def logits(self, rows: list[Token]) -> torch.Tensor:
-        """Draft logits (full vocabulary) for the position after the last row; rows start at `self.final`."""
+    def logits(self, finished: list[Token], levels: list[Level]) -> torch.Tensor:
+        """Draft logits [leaves, V] (full vocabulary) for the position after each newest-level token.
+
+        `finished` are the finished rows from `self.final` on; with no level in flight the last of them is the leaf.
+        """
         spec = self.speculator
+        nodes = [t for level in levels for t in level]
+        rows = finished + nodes
         if rows[0].position != self.final:
             raise ValueError(f"drafter rows start at {rows[0].position}, but rows below {self.final} are final")
         x = torch.cat([spec.project(r.depth, r.features) for r in rows], dim=1)
         positions = torch.tensor([r.position for r in rows], device=x.device)
-        mask = self.cache.begin(positions)
+        if is_chain(levels):
+            mask = self.cache.begin(positions)
+        else:
+            slots = [r.slot for r in rows]
+            base = levels[0][0].position
+            keys = torch.arange(max(slots) + 1)
+            causal = keys[None, :] <= torch.tensor([r.position for r in finished])[:, None]
+            layout = torch.cat([causal, tree_mask(nodes, base, len(keys))])
+            mask = self.cache.begin(positions, torch.tensor(slots, device=x.device), layout.to(x.device))
         out = spec.rows_forward(x, positions, mask, self.cache)
-        finished = [r.position for r in rows if r.depth == spec.config.n]
         if finished:
-            self.final = finished[-1] + 1
-        return spec.full_vocab(spec.head_logits(out[:, -1:]))[0, 0]
+            self.final = finished[-1].position + 1
+        leaves = len(levels[-1]) if levels else 1
+        return spec.full_vocab(spec.head_logits(out[:, -leaves:]))[0]
 
 
 class PipelineEngine:
     """Runs one generation; all state lives here, the target runtime and drafter are reset per prompt."""
 
-    def __init__(self, target: TargetRuntime, speculator: Speculator, stop_ids: set[int], drafter_class=Drafter):
+    def __init__(self, target: TargetRuntime, speculator: Speculator, stop_ids: set[int], width: int = 1,
+                 drafter_class=Drafter):
         self.target = target
         self.drafter_class = drafter_class
         self.speculator = speculator
         self.config = speculator.config
         self.stop_ids = stop_ids
+        self.width = width
         self.bounds = self.config.bounds
         self.capture = self.config.all_feature_layers()
         if target.rewind_window < self.config.n:
             raise ValueError(f"target rewind window {target.rewind_window} < n = {self.config.n}")
+        if width > 1 and target.has_linear_layers:
+            raise HarnessError(f"draft width {width} needs tree attention, which linear-attention layers cannot "
+                               f"apply; use --width 1 with this model")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         self.target.reset()
@@ -95,7 +163,7 @@ class PipelineEngine:
         timer = Timer(self.target.device)
         with timer("prefill"):
             first, finished_rows = self._prefill(prompt_ids, sampler)
-        run = _Run(output=[first.token], in_flight=[first], pending=finished_rows, n=self.config.n)
+        run = _Run(output=[first.token], in_flight=[[first]], pending=finished_rows, n=self.config.n)
         with timer("decode"):
             while len(run.output) < max_new_tokens and run.output[-1] not in self.stop_ids:
                 self._cycle(run, drafter, sampler, timer)
@@ -120,8 +188,10 @@ class PipelineEngine:
             draft = self._timed_draft(run, drafter, sampler, timer)
         with timer("stages"):
             run.stage_runs += self._advance(run.in_flight)
-        finished = run.in_flight.pop(0) if run.in_flight[0].depth == self.config.n else None
-        if finished is not None:
+        finished = None
+        if run.in_flight[0][0].depth == self.config.n:
+            (finished,) = run.in_flight.pop(0)
+            finished.parent = None  # the verified prefix needs no tree links (and old tokens can be freed)
             run.pending.append(finished)
         if self.config.schedule == "output":
             draft = self._timed_draft(run, drafter, sampler, timer)
@@ -129,25 +199,30 @@ class PipelineEngine:
             run.in_flight.append(draft)
             run.accepted.append(0)
             return
+        levels = run.in_flight + [draft]
         with timer("verify_head"):
-            candidate = run.in_flight[0] if run.in_flight else draft  # n == 1: this cycle's draft is next
-            ok, token = self._verify(finished, candidate, sampler)
-        run.fill_drafts[candidate.fill] += 1
+            candidates = levels[0]  # n == 1: this cycle's drafts are next
+            chosen, token = self._verify(finished, candidates, sampler)
+        fill = candidates[0].fill
+        run.fill_drafts[fill] += 1
         run.accepted.append(1)
-        if ok:
-            run.fill_accepts[candidate.fill] += 1
-            run.output.append(candidate.token)
+        if chosen is not None:
+            run.fill_accepts[fill] += 1
+            run.output.append(chosen.token)
+            keep_subtree(chosen, levels)
+            self._commit_slot(chosen)
             run.in_flight.append(draft)
             return
         run.output.append(token)
         position = finished.position + 1
         self.target.truncate(position)
-        run.in_flight = [self._new_token(position, token, fill=0)]
+        run.in_flight = [self._new_tokens(position, [token], [None], [0.0], fill=0)]
 
-    def _timed_draft(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> Token:
+    def _timed_draft(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> Level:
         with timer("drafter"):
-            draft = self._draft(drafter, run.pending, run.in_flight, sampler)
+            draft = self._draft(drafter, run, sampler)
         run.drafter_calls += 1
+        prune_dead_branches(run.in_flight + [draft])
         return draft
 
     # --- steps ----------------------------------------------------------------------------------------------------
@@ -161,45 +236,85 @@ class PipelineEngine:
             Token(p, t, n, None, {layer: captured[layer][:, p : p + 1] for layer in self.capture})
             for p, t in enumerate(prompt_ids)
         ]
-        first = self._new_token(len(prompt_ids), sampler.pick(logits[-1]), fill=0)
+        (first,) = self._new_tokens(len(prompt_ids), [sampler.pick(logits[-1])], [None], [0.0], fill=0)
         return first, prompt_rows
 
-    def _new_token(self, position: int, token: int, fill: int, q: torch.Tensor | None = None) -> Token:
-        h = self.target.embed(torch.tensor([token], device=self.target.device))
-        return Token(position, token, 0, h, {0: h}, q, fill)
+    def _new_tokens(self, position: int, tokens: list[int], parents: list, scores: list[float], fill: int,
+                    q: torch.Tensor | None = None) -> Level:
+        """A level of fresh tokens at depth 0; the b-th sibling gets slot position + b * n."""
+        h = self.target.embed(torch.tensor(tokens, device=self.target.device))
+        return [
+            Token(position, token, 0, h[:, b : b + 1], {0: h[:, b : b + 1]}, q, fill,
+                  slot=position + b * self.config.n, parent=parent, score=score)
+            for b, (token, parent, score) in enumerate(zip(tokens, parents, scores))
+        ]
 
-    def _draft(self, drafter: Drafter, pending: list[Token], in_flight: list[Token], sampler: Sampler) -> Token:
-        """Draft the token after the newest in-flight one; finished tokens become final rows on the way."""
-        rows = pending + in_flight
-        logits = drafter.logits(rows)
-        pending.clear()
-        position, fill = rows[-1].position + 1, max(0, len(in_flight) - 1)
-        if sampler.greedy:
-            return self._new_token(position, int(torch.argmax(logits)), fill)
-        q = sampler.probs(logits)
-        return self._new_token(position, sampler.draw(q), fill, q)
+    def _draft(self, drafter: Drafter, run: _Run, sampler: Sampler) -> Level:
+        """Draft the level after the newest one: a sampled token (width 1, T > 0) or the W best children by score."""
+        levels = run.in_flight
+        leaves = levels[-1] if levels else [run.pending[-1]]
+        logits = drafter.logits(run.pending, levels)
+        run.pending.clear()
+        position, fill = leaves[0].position + 1, max(0, len(levels) - 1)
+        parents = [leaf if leaf.depth < self.config.n else None for leaf in leaves]
+        if self.width == 1 and not sampler.greedy:  # one sampled draft, verified with the p/q rule
+            q = sampler.probs(logits[0])
+            return self._new_tokens(position, [sampler.draw(q)], parents, [0.0], fill, q)
+        logp = torch.log_softmax(logits.float(), dim=-1) if sampler.greedy else sampler.probs(logits).log()
+        top = torch.topk(logp, self.width, dim=-1)
+        scores = top.values + torch.tensor([leaf.score for leaf in leaves])[:, None]
+        best = torch.topk(scores.flatten(), self.width)
+        keep = [int(i) for v, i in zip(best.values, best.indices) if v > float("-inf")]
+        return self._new_tokens(
+            position,
+            [int(top.indices.flatten()[i]) for i in keep],
+            [parents[i // self.width] for i in keep],
+            [float(scores.flatten()[i]) for i in keep],
+            fill,
+        )
 
     def shape(self) -> dict:
-        """What the speedup formulas need: layer count, stage sizes, drafter depth and schedule."""
+        """What the speedup formulas need: layer count, stage sizes, drafter depth, schedule and width."""
         sizes = [hi - lo for lo, hi in self.bounds]
         return {"num_layers": self.target.num_layers, "n": self.config.n, "largest_stage": max(sizes),
-                "ls": self.config.ls, "schedule": self.config.schedule}
+                "ls": self.config.ls, "schedule": self.config.schedule, "width": self.width}
 
-    def _advance(self, in_flight: list[Token]) -> int:
-        """Every in-flight token runs the stage at its depth (stages own disjoint layers, so order is free)."""
-        for tok in in_flight:
-            lo, hi = self.bounds[tok.depth]
+    def _advance(self, levels: list[Level]) -> int:
+        """Every level runs the stage at its depth in one call (stages own disjoint layers, so order is free)."""
+        device = self.target.device
+        chain, base = is_chain(levels), levels[0][0].position
+        kv_end = base + self.config.n * self.width  # above every sibling slot in flight
+        for level in levels:
+            lo, hi = self.bounds[level[0].depth]
             wanted = tuple(layer for layer in self.capture if lo < layer <= hi)
-            positions = torch.tensor([tok.position], device=self.target.device)
-            tok.hidden, captured = self.target.run_layers(lo, hi, tok.hidden, positions, capture=wanted)
-            tok.features.update(captured)
-            tok.depth += 1
-        return len(in_flight)
+            positions = torch.full((len(level),), level[0].position, device=device)
+            slots = mask = None
+            if not chain:
+                slots = torch.tensor([t.slot for t in level], device=device)
+                mask = tree_mask(level, base, kv_end)
+            hidden = torch.cat([t.hidden for t in level], dim=1)
+            out, captured = self.target.run_layers(lo, hi, hidden, positions, slots=slots, mask=mask, capture=wanted)
+            for b, tok in enumerate(level):
+                tok.hidden = out[:, b : b + 1]
+                tok.features.update({layer: h[:, b : b + 1] for layer, h in captured.items()})
+                tok.depth += 1
+        return sum(len(level) for level in levels)
 
-    def _verify(self, finished: Token, candidate: Token, sampler: Sampler) -> tuple[bool, int]:
+    def _commit_slot(self, chosen: Token) -> None:
+        """An accepted sibling's KV moves to its position, where the verified prefix lives."""
+        if chosen.slot != chosen.position:
+            self.target.cache.move(torch.tensor([chosen.slot], device=self.target.device), chosen.position)
+            chosen.slot = chosen.position
+
+    def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
+        """The finished token's target distribution tests the drafts after it: (accepted draft or None, token)."""
         logits = self.target.logits(finished.hidden)[0]
         if sampler.greedy:
             best = int(torch.argmax(logits))
-            return candidate.token == best, best
+            return next((t for t in candidates if t.token == best), None), best
         p = sampler.probs(logits)
-        return accept_or_resample(candidate.token, candidate.draft_probs, p, sampler.generator)
+        if candidates[0].draft_probs is not None:  # a sampled chain draft
+            ok, token = accept_or_resample(candidates[0].token, candidates[0].draft_probs, p, sampler.generator)
+            return (candidates[0] if ok else None), token
+        index, token = verify_siblings([t.token for t in candidates], p, sampler.generator)
+        return (None if index is None else candidates[index]), token

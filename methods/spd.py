@@ -23,8 +23,8 @@ class PipelineParams:
     width: int = 1
 
     def __post_init__(self):
-        if self.width != 1:
-            raise ValueError(f"width {self.width} is not supported yet by the pipeline engine; use --param width=1")
+        if self.width < 1:
+            raise ValueError(f"draft width must be >= 1, got {self.width}")
         SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule)  # validates schedule and ls
 
     @property
@@ -62,7 +62,7 @@ class SPD(Method):
     def __init__(self, target, params: PipelineParams, stop_ids, checkpoint=None, speculator: Speculator | None = None):
         super().__init__(target, params, stop_ids, checkpoint)
         self.speculator = speculator or load_speculator(target, self.name, self.policy, params, checkpoint)
-        self.engine = PipelineEngine(target, self.speculator, stop_ids)
+        self.engine = PipelineEngine(target, self.speculator, stop_ids, width=params.width)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:

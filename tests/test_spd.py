@@ -15,33 +15,45 @@ from tiny_models import tiny_model
 GREEDY = SamplingConfig()
 
 
-def _spd(model, n, schedule="input", ls=2, max_len=256, method=SPD):
+def _spd(model, n, schedule="input", ls=2, max_len=256, method=SPD, width=1):
     target = TargetRuntime(model, max_len=max_len)
     config = SpeculatorConfig(n=n, ls=ls, schedule=schedule, policy=method.policy,
                               num_layers=model.config.num_hidden_layers)
     speculator = Speculator(config, target).eval()
-    params = method.Params(n=n, ls=ls, schedule=schedule)
+    params = method.Params(n=n, ls=ls, schedule=schedule, width=width)
     return target, method(target, params, set(), speculator=speculator)
 
 
-def _oracle(reference: dict[int, int], hit_rate: float, seed: int = 0, record: list | None = None):
-    """A drafter that proposes the greedy reference token with probability `hit_rate`, so accepts and rejects mix.
+def _branch(leaf, n):
+    """The in-flight tokens on the path to `leaf`, oldest first (empty when the leaf already finished)."""
+    path = []
+    while leaf is not None and leaf.depth < n:
+        path.append(leaf)
+        leaf = leaf.parent
+    return path[::-1]
 
-    It still runs the real drafter (its cache bookkeeping stays exercised); `record` collects what it computed.
+
+def _oracle(reference: dict[int, int], hit_rate: float, seed: int = 0, record: list | None = None):
+    """A drafter that proposes the greedy reference token with probability `hit_rate` (per leaf), so accepts and
+    rejects mix. It still runs the real drafter (its cache bookkeeping stays exercised); `record` collects what it
+    computed for the newest leaf.
     """
     rng = torch.Generator().manual_seed(seed)
 
     class Oracle(Drafter):
-        def logits(self, rows):
-            real = super().logits(rows)
-            if record is not None:
-                record.append(([(r.position, r.token, r.depth) for r in rows], real.clone()))
-            position = rows[-1].position + 1
-            if position in reference and float(torch.rand((), generator=rng)) < hit_rate:
-                logits = torch.full_like(real, -10.0)
-                logits[reference[position]] = 10.0
-                return logits
-            return real
+        def logits(self, finished, levels):
+            real = super().logits(finished, levels)
+            out = real.clone()
+            leaves = levels[-1] if levels else finished[-1:]
+            for i, leaf in enumerate(leaves):
+                if record is not None:
+                    branch = finished + _branch(leaf, self.speculator.config.n)
+                    record.append(([(r.position, r.token, r.depth) for r in branch], real[i].clone(), len(leaves)))
+                position = leaf.position + 1
+                if position in reference and float(torch.rand((), generator=rng)) < hit_rate:
+                    out[i] = -10.0
+                    out[i, reference[position]] = 10.0
+            return out
 
     return Oracle
 
@@ -53,13 +65,16 @@ def test_stage_bounds_split_near_evenly_with_larger_stages_first():
         stage_bounds(4, 5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
-@pytest.mark.parametrize("n, schedule, method", [(3, "input", SPD), (4, "output", SPD), (6, "input", SPD),
-                                                 (1, "input", SPD), (2, "output", SPD), (4, "output", PPSD)])
+CONFIGS = [(3, "input", SPD), (4, "output", SPD), (6, "input", SPD), (1, "input", SPD), (2, "output", SPD),
+           (4, "output", PPSD)]
+
+
+@pytest.mark.parametrize("arch, width", [("llama", 1), ("qwen3", 1), ("qwen3_5", 1), ("llama", 4), ("qwen3", 4)])
+@pytest.mark.parametrize("n, schedule, method", CONFIGS)
 @pytest.mark.parametrize("hit_rate", [0.0, 0.8, 1.0])
-def test_greedy_output_is_token_identical_to_ar(arch, n, schedule, method, hit_rate):
+def test_greedy_output_is_token_identical_to_ar(arch, width, n, schedule, method, hit_rate):
     model = tiny_model(arch)
-    target, method = _spd(model, n, schedule, method=method)
+    target, method = _spd(model, n, schedule, method=method, width=width)
     ar = build_method("autoregressive", target, {}, set())
     for prompt in ([7], [3, 4], list(range(10, 19))):  # includes prompts shorter than n
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
@@ -71,6 +86,44 @@ def test_greedy_output_is_token_identical_to_ar(arch, n, schedule, method, hit_r
         assert sum(generation.accepted) == len(reference) - 1  # every token after the prefill one is committed by a cycle
         if hit_rate == 1.0:  # a perfect drafter fills the pipeline once: n cycles, then one token per cycle
             assert generation.steps == len(reference) - 1 + (n - 1)
+
+
+@pytest.mark.parametrize("schedule", ["input", "output"])
+def test_tree_branches_rescue_a_wrong_first_choice(schedule):
+    """Width 4 keeps the runner-up draft in flight: when it is the target's token, no flush happens (width 1 flushes)."""
+    model = tiny_model("llama")
+    n, prompt = 3, [3, 4, 5]
+    steps = {}
+    for width in (1, 4):
+        target, method = _spd(model, n, schedule, width=width)
+        reference = build_method("autoregressive", target, {}, set()).generate(prompt, 16, Sampler(GREEDY)).output_ids
+        by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
+        tricky = {len(prompt) + 4, len(prompt) + 9}  # the target's token is only the drafter's second choice here
+
+        class SecondBest(Drafter):
+            def logits(self, finished, levels):
+                out = torch.zeros_like(super().logits(finished, levels))
+                for i, leaf in enumerate(levels[-1] if levels else finished[-1:]):
+                    position = leaf.position + 1
+                    right = by_position.get(position, 0)
+                    out[i, right] = 10.0
+                    if position in tricky:
+                        out[i, (right + 1) % out.shape[-1]] = 11.0
+                return out
+
+        method.engine.drafter_class = SecondBest
+        generation = method.generate(prompt, 16, Sampler(GREEDY))
+        assert generation.output_ids == reference
+        steps[width] = generation.steps
+    assert steps[4] == len(reference) - 1 + (n - 1)  # never flushed
+    assert steps[1] == steps[4] + 2 * (n - 1)  # one refill per tricky position
+
+
+def test_width_above_one_is_refused_on_linear_attention_targets():
+    from harness.errors import HarnessError
+
+    with pytest.raises(HarnessError, match="--width 1"):
+        _spd(tiny_model("qwen3_5"), 3, width=4)
 
 
 def test_greedy_stops_at_a_stop_id_like_ar():
@@ -98,14 +151,15 @@ def _exact_joint_of_tokens_1_and_2(model, prompt, vocab):
     return joint.flatten()
 
 
-@pytest.mark.parametrize("schedule, method", [("input", SPD), ("output", SPD), ("output", PPSD)])
-def test_sampled_tokens_follow_the_target_distribution(schedule, method):
+@pytest.mark.parametrize("schedule, method, width", [("input", SPD, 1), ("output", SPD, 1), ("output", PPSD, 1),
+                                                     ("input", SPD, 2), ("output", SPD, 4)])
+def test_sampled_tokens_follow_the_target_distribution(schedule, method, width):
     """T=1: the joint of the 2nd and 3rd generated tokens (both verified drafts) matches the exact target joint."""
     vocab = 4
     model = tiny_model("llama", vocab_size=vocab)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)  # flatter target, so every outcome is likely
-    _, method = _spd(model, 2, schedule, method=method)
+    _, method = _spd(model, 2, schedule, method=method, width=width)
     with torch.no_grad():  # a drafter far from the target, so a wrong residual would show
         method.speculator.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))
     prompt = [1, 2, 3]
@@ -119,13 +173,16 @@ def test_sampled_tokens_follow_the_target_distribution(schedule, method):
     assert tv < 0.07
 
 
-@pytest.mark.parametrize("arch, n, schedule", [("llama", 3, "input"), ("llama", 4, "output"), ("qwen3_5", 4, "input"), ("qwen3", 2, "output")])
-def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, schedule):
-    """Same tokens and depths: the training layout reproduces every draft the engine computed (fp32)."""
+@pytest.mark.parametrize("arch, n, schedule, width", [("llama", 3, "input", 1), ("llama", 4, "output", 1),
+                                                      ("qwen3_5", 4, "input", 1), ("qwen3", 2, "output", 1),
+                                                      ("llama", 3, "input", 4), ("qwen3", 4, "output", 4)])
+def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, schedule, width):
+    """Same tokens and depths: the training layout reproduces every draft the engine computed (fp32), for every
+    branch of a draft tree too (each branch sees only its own ancestors)."""
     from methods.speculator import unrolled_logits
 
     model = tiny_model(arch)
-    target, method = _spd(model, n, schedule)
+    target, method = _spd(model, n, schedule, width=width)
     ar = build_method("autoregressive", target, {}, set())
     prompt = [4, 9, 2, 7, 1]
     reference = ar.generate(prompt, 20, Sampler(GREEDY)).output_ids
@@ -136,8 +193,8 @@ def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(ar
     sequence = prompt + reference
     target.reset()
     _, features = target.forward(torch.tensor(sequence), start=0, capture=method.speculator.config.all_feature_layers())
-    compared = 0
-    for rows, real in seen:
+    compared, tree_rows = 0, 0
+    for rows, real, leaves in seen:
         if any(p >= len(sequence) or sequence[p] != t for p, t, _ in rows):
             continue  # the pipeline held a draft that was later rejected: no training row describes it
         start = min((p for p, _, depth in rows if depth < n), default=rows[-1][0] + 1)  # oldest in-flight token
@@ -146,4 +203,6 @@ def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(ar
         logits = method.speculator.full_vocab(unrolled_logits(method.speculator, features, starts))[0]
         assert (logits[rows[-1][0]] - real).abs().max() < 1e-4
         compared += 1
+        tree_rows += leaves > 1
     assert compared >= 8
+    assert (tree_rows > 0) == (width > 1)
