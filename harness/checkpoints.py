@@ -58,3 +58,15 @@ def check_target(config: dict, identity) -> None:
             f"drafter was trained for {trained_for.get('name')} ({str(trained_for.get('weights_sha256'))[:12]}) "
             f"but the target is {identity.name} ({identity.weights_sha256[:12]}); train one for this target"
         )
+
+
+def locate(identity, method: str, tag: str, checkpoint: str | None, train_command: str) -> tuple[Path, dict]:
+    """A drafter's folder and config: `checkpoint` if given, else the cache entry for (target, method, tag)."""
+    folder = Path(checkpoint) if checkpoint else drafter_dir(identity, method, tag)
+    if not (folder / CONFIG).exists():
+        if checkpoint:
+            raise HarnessError(f"checkpoint {folder} not found; pass a folder written by spd-bench train")
+        raise HarnessError(f"no {method} drafter for {identity.name} with {tag}; train one with: {train_command}")
+    saved = load_config(folder)
+    check_target(saved, identity)
+    return folder, saved

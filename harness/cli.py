@@ -78,6 +78,7 @@ data_option = click.option("--data-dir", default=None, help="Folder with <datase
 @click.option("--ls", type=int, default=None, help="Drafter decoder layers (pipeline methods).")
 @click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule (spd).")
 @click.option("--width", type=int, default=None, help="Draft width (1 = chain).")
+@click.option("--m", type=int, default=None, help="Draft depth per round (eagle3).")
 @model_option
 @click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True, callback=lambda c, p, v: _datasets(v),
               help="Comma-separated datasets.")
@@ -94,13 +95,13 @@ data_option = click.option("--data-dir", default=None, help="Folder with <datase
               help="Results file (default results/<model>/<method>.jsonl).")
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
 @click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
-def run(method, param_pairs, n, ls, schedule, width, model, datasets, temperature, top_k, top_p, max_new_tokens, limit,
+def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens, limit,
         seed, device, dtype, data_dir, out, checkpoint, skip_missing):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.runner import RunConfig
     from harness.runner import run as run_config
 
-    named = {"n": n, "ls": ls, "schedule": schedule, "width": width}
+    named = {"n": n, "ls": ls, "schedule": schedule, "width": width, "m": m}
     params = {**_params(param_pairs), **{k: v for k, v in named.items() if v is not None}}
     config = RunConfig(
         method=method, params=params, model=model, datasets=datasets, temperature=temperature,
@@ -173,14 +174,42 @@ def _int_list(value: str) -> list[int]:
 POLICIES = {"spd": "multi_depth", "ppsd": "first_stage"}
 DEFAULT_SCHEDULE = {"spd": "input", "ppsd": "output"}
 DEFAULT_LS = {"spd": "4", "ppsd": "1"}
+TRAINABLE = (*POLICIES, "eagle3")
+
+
+def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, m_values: str) -> list:
+    """Every drafter a train command asks for: pipeline drafters over n x Ls x schedule, EAGLE-3 heads over m."""
+    from harness.objectives import EagleSpec, PipelineSpec
+
+    specs = []
+    for method in [m.strip() for m in methods.split(",") if m.strip()]:
+        if method not in TRAINABLE:
+            raise click.BadParameter(f"--method must list {', '.join(TRAINABLE)}, got {method!r}")
+        if method == "eagle3":
+            specs += [EagleSpec(m) for m in _int_list(m_values)]
+            continue
+        schedule_list = [s.strip() for s in (schedules or DEFAULT_SCHEDULE[method]).split(",") if s.strip()]
+        if any(s not in ("input", "output") for s in schedule_list) or not schedule_list or (
+                method == "ppsd" and schedule_list != ["output"]):
+            raise click.BadParameter(f"--schedule must list input and/or output (ppsd: output), got {schedules!r}")
+        specs += [PipelineSpec(method, n, ls, s, POLICIES[method]) for n in _int_list(n_values)
+                  for ls in _int_list(ls_values or DEFAULT_LS[method]) for s in schedule_list]
+    if any(getattr(s, "n", 1) < 1 or getattr(s, "ls", 1) < 1 or getattr(s, "ttt", 1) < 1 for s in specs):
+        raise click.BadParameter("--n, --ls and --m must be positive")
+    if not specs:
+        raise click.BadParameter("--method lists no drafter")
+    return specs
 
 
 @main.command()
-@click.option("--method", type=click.Choice(sorted(POLICIES)), default="spd", show_default=True)
+@click.option("--method", "methods", default="spd", show_default=True,
+              help=f"Drafter kinds, comma list of {', '.join(TRAINABLE)} (all share the teacher passes).")
 @click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list trains several).")
 @click.option("--ls", "ls_values", default=None, help="Drafter decoder layers, comma list (default: spd 4, ppsd 1).")
 @click.option("--schedule", "schedules", default=None,
               help="input, output or both, comma list (default: spd input, ppsd output).")
+@click.option("--m", "m_values", default="7", show_default=True,
+              help="EAGLE-3 training-time-test steps (comma list trains several heads).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Target tokens to train on (shared by every drafter of this run).")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
@@ -193,25 +222,18 @@ DEFAULT_LS = {"spd": "4", "ppsd": "1"}
 @model_option
 @device_option
 @dtype_option
-def train(method, n_values, ls_values, schedules, tokens, seq_len, batch_size, lr, draft_vocab, save_every, resume,
-          model, device, dtype):
+def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, batch_size, lr, draft_vocab, save_every,
+          resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
-    from harness.train import DrafterSpec, TrainConfig
+    from harness.train import TrainConfig
     from harness.train import train as run_training
 
-    schedules = schedules or DEFAULT_SCHEDULE[method]
-    ls_values = ls_values or DEFAULT_LS[method]
-    schedule_list = [s.strip() for s in schedules.split(",") if s.strip()]
-    bad = [s for s in schedule_list if s not in ("input", "output")]
-    if bad or not schedule_list or (method == "ppsd" and schedule_list != ["output"]):
-        raise click.BadParameter(f"--schedule must list input and/or output (ppsd: output), got {schedules!r}")
-    specs = [DrafterSpec(method, n, ls, s, POLICIES[method])
-             for n in _int_list(n_values) for ls in _int_list(ls_values) for s in schedule_list]
-    if any(s.n < 1 or s.ls < 1 for s in specs):
-        raise click.BadParameter("--n and --ls must be positive")
+    specs = _drafter_specs(methods, n_values, ls_values, schedules, m_values)
+    shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
+                                                ("m", m_values)) if v is not None)
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
                          draft_vocab=draft_vocab, save_every=save_every, device=device, dtype=dtype, resume=resume,
-                         command=(f"spd-bench train --method {method} --n {n_values} --ls {ls_values} --schedule {schedules} "
+                         command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
                                   f"--draft-vocab {draft_vocab} --model {model} --device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))

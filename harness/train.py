@@ -21,27 +21,16 @@ from harness import checkpoints
 from harness.corpus import conversations, encode
 from harness.errors import HarnessError
 from harness.models import LoadedModel, load_model
+from harness.objectives import EagleSpec, PipelineSpec
 from harness.results import ResultStore
 from harness.target import TargetRuntime
-from methods.speculator import Speculator, SpeculatorConfig, unrolled_logits
 
-
-@dataclass
-class DrafterSpec:
-    method: str
-    n: int
-    ls: int
-    schedule: str
-    policy: str
-
-    @property
-    def tag(self) -> str:
-        return f"n{self.n}-ls{self.ls}-{self.schedule}"
+DrafterSpec = PipelineSpec | EagleSpec
 
 
 @dataclass
 class TrainConfig:
-    drafters: list[DrafterSpec]
+    drafters: list[DrafterSpec]  # PipelineSpec and EagleSpec (harness/objectives.py)
     model: str = "smollm2-135m"
     tokens: int = 1_000_000  # target tokens through the teacher
     seq_len: int = 256
@@ -86,22 +75,6 @@ def _chunks(loaded: LoadedModel, convs: list[list[dict]], seq_len: int) -> list[
     return out
 
 
-def segment_starts(size: int, n: int, flush: bool, rng: random.Random) -> torch.Tensor:
-    """Per position, where its pipeline segment starts: 0 (full pipeline) or the last simulated flush."""
-    starts = torch.zeros(size, dtype=torch.long)
-    if flush:
-        position = rng.randint(1, 2 * n)
-        while position < size:
-            starts[position:] = position
-            position += rng.randint(1, 2 * n)
-    return starts
-
-
-def fill_levels(starts: torch.Tensor, n: int) -> torch.Tensor:
-    """In-flight tokens older than each query, capped at n - 1 (the steady state)."""
-    return torch.clamp(torch.arange(len(starts)) - starts, max=n - 1)
-
-
 def draft_vocabulary(chunks: list[Chunk], size: int) -> torch.Tensor | None:
     """The `size` most frequent assistant tokens of the training slice (ids in the target vocabulary)."""
     if size <= 0:
@@ -127,10 +100,7 @@ class DrafterTrainer:
     def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
-        module_config = SpeculatorConfig(n=spec.n, ls=spec.ls, schedule=spec.schedule, policy=spec.policy,
-                                         num_layers=target.num_layers, target=target.identity.to_dict(),
-                                         draft_vocab_size=None if draft_ids is None else len(draft_ids))
-        self.module = Speculator(module_config, target, draft_ids).float().train()
+        self.module = spec.build(target, draft_ids).float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.step, self.tokens, self.validation = 0, 0, {}
@@ -140,11 +110,10 @@ class DrafterTrainer:
         steps, warmup = self.config.steps, max(1, int(self.config.warmup * self.config.steps))
         return self.config.lr * min((self.step + 1) / warmup, max(0.0, (steps - self.step) / max(1, steps - warmup)))
 
-    def train_step(self, features: dict, p_draft: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor) -> dict:
-        logits = unrolled_logits(self.module, features, starts)
-        log_q = torch.log_softmax(logits, dim=-1)
-        # Sum over assistant positions / their count (at least 1): a batch without any contributes zero gradient.
-        loss = -(p_draft * log_q).sum(-1)[mask].sum() / mask.sum().clamp(min=1)
+    def train_step(self, features: dict, ids: torch.Tensor, p_draft: torch.Tensor, mask: torch.Tensor,
+                   rng: random.Random) -> dict:
+        predictions = self.spec.predictions(self.module, features, ids, rng, self.config.partial_fill)
+        loss = sum(pred.weight * _cross_entropy(pred, p_draft, mask) for pred in predictions)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip)
@@ -152,7 +121,9 @@ class DrafterTrainer:
             group["lr"] = self.learning_rate()
         self.optimizer.step()
         self.step += 1
-        agree = (logits.argmax(-1) == p_draft.argmax(-1))[mask].float().sum() / mask.sum().clamp(min=1)
+        first = predictions[0]
+        target, rows = _aligned(first, p_draft, mask)
+        agree = (first.logits.argmax(-1) == target.argmax(-1))[rows].float().sum() / rows.sum().clamp(min=1)
         return {"loss": loss.item(), "top1": agree.item()}
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -165,7 +136,7 @@ class DrafterTrainer:
         return tensors
 
     def save(self, extra_config: dict) -> None:
-        config = {"speculator": self.module.config.to_dict(), "target": self.module.config.target,
+        config = {self.spec.config_name: self.module.config.to_dict(), "target": self.module.config.target,
                   "method": self.spec.method, "train": {"step": self.step, "tokens": self.tokens,
                                                          "validation": self.validation, **extra_config}}
         checkpoints.save(self.folder, self.module, config, self.state())
@@ -185,29 +156,45 @@ class DrafterTrainer:
         self.validation = saved["train"].get("validation", {})
 
 
+def _aligned(pred, p: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target distributions and loss mask that a prediction's rows are scored against."""
+    size = pred.logits.shape[-2]
+    return p[..., pred.offset:pred.offset + size, :], mask[..., pred.offset:pred.offset + size]
+
+
+def _cross_entropy(pred, p_draft: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy to the target over assistant rows / their count (at least 1): KL up to a constant."""
+    target, rows = _aligned(pred, p_draft, mask)
+    log_q = torch.log_softmax(pred.logits, dim=-1)
+    return -(target * log_q).sum(-1)[rows].sum() / rows.sum().clamp(min=1)
+
+
 def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict], probs: list[torch.Tensor],
              draft_ids) -> dict:
-    """Top-1 agreement with the target per pipeline fill level (0 .. n-1) and KL, on held-out chunks."""
-    n = trainer.spec.n
-    hits, totals, kl_sum, kl_count = torch.zeros(n), torch.zeros(n), 0.0, 0
+    """Top-1 agreement with the target per group (pipeline fill level or TTT step) and the first prediction's KL."""
+    spec, groups = trainer.spec, trainer.spec.groups
+    hits, totals, kl_sum, kl_count = torch.zeros(groups), torch.zeros(groups), 0.0, 0
     rng = random.Random(1234)
     trainer.module.eval()
     with torch.no_grad():
         for chunk, feats, p in zip(chunks, features, probs):
-            starts = segment_starts(len(chunk.ids), n, flush=True, rng=rng)
-            logits = unrolled_logits(trainer.module, feats, starts[None])[0]
-            q_full = trainer.module.full_vocab(logits)
-            agree = (q_full.argmax(-1) == p.argmax(-1)) & chunk.loss_mask
-            levels = fill_levels(starts, n)
-            hits += torch.bincount(levels[agree], minlength=n)[:n].float()
-            totals += torch.bincount(levels[chunk.loss_mask], minlength=n)[:n].float()
-            p_draft = p if draft_ids is None else p[:, draft_ids]
-            log_q = torch.log_softmax(logits, -1)
-            kl = (p_draft * (torch.log(p_draft.clamp_min(1e-12)) - log_q)).sum(-1)[chunk.loss_mask]
-            kl_sum, kl_count = kl_sum + float(kl.sum()), kl_count + int(kl.numel())
+            ids, mask = chunk.ids[None].to(p.device), chunk.loss_mask[None].to(p.device)
+            p_draft = p[None] if draft_ids is None else p[None][..., draft_ids.to(p.device)]
+            for index, pred in enumerate(spec.predictions(trainer.module, feats, ids, rng, partial_fill=1.0)):
+                target, rows = _aligned(pred, p[None], mask)
+                agree = (trainer.module.full_vocab(pred.logits).argmax(-1) == target.argmax(-1)) & rows
+                labels = torch.as_tensor(pred.groups, device=rows.device).expand_as(rows)
+                hits += torch.bincount(labels[agree], minlength=groups)[:groups].float().cpu()
+                totals += torch.bincount(labels[rows], minlength=groups)[:groups].float().cpu()
+                if index == 0:
+                    q_target, _ = _aligned(pred, p_draft, mask)
+                    log_q = torch.log_softmax(pred.logits, -1)
+                    kl = (q_target * (torch.log(q_target.clamp_min(1e-12)) - log_q)).sum(-1)[rows]
+                    kl_sum, kl_count = kl_sum + float(kl.sum()), kl_count + int(kl.numel())
     trainer.module.train()
-    by_fill = (hits / totals.clamp(min=1)).tolist()
-    return {"top1_by_fill": [round(x, 4) for x in by_fill], "top1": round(float(hits.sum() / totals.sum().clamp(min=1)), 4),
+    by_group = (hits / totals.clamp(min=1)).tolist()
+    return {f"top1_by_{spec.group_name}": [round(x, 4) for x in by_group],
+            "top1": round(float(hits.sum() / totals.sum().clamp(min=1)), 4),
             "kl": round(kl_sum / max(1, kl_count), 4), "positions": int(totals.sum())}
 
 
@@ -261,9 +248,7 @@ def train(config: TrainConfig) -> list[Path]:
         for trainer in trainers:
             if trainer.step > step:
                 continue
-            starts = torch.stack([segment_starts(config.seq_len, trainer.spec.n, rng.random() < config.partial_fill, rng)
-                                  for _ in batch]).to(target.device)
-            stats = trainer.train_step(features, p_draft, mask, starts)
+            stats = trainer.train_step(features, ids, p_draft, mask, rng)
             trainer.tokens += ids.numel()
             postfix[trainer.spec.tag] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
         done = step + 1
@@ -274,8 +259,9 @@ def train(config: TrainConfig) -> list[Path]:
             for trainer in trainers:
                 trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids)
                 trainer.save({"config": _config_dict(config)})
-            bar.write(f"step {done}: " + "; ".join(f"{t.spec.tag} val top1 {t.validation['top1']:.3f} by fill "
-                                                 f"{t.validation['top1_by_fill']}" for t in trainers))
+            bar.write(f"step {done}: " + "; ".join(
+                f"{t.spec.tag} val top1 {t.validation['top1']:.3f} by {t.spec.group_name} "
+                f"{t.validation[f'top1_by_{t.spec.group_name}']}" for t in trainers))
     bar.close()
     _record(loaded, config, trainers)
     return [t.folder for t in trainers]
@@ -302,7 +288,7 @@ def _teacher_inputs(target: TargetRuntime, chunks: list[Chunk], layers) -> tuple
 
 
 def _config_dict(config: TrainConfig) -> dict:
-    return {**asdict(config), "drafters": [asdict(d) for d in config.drafters]}
+    return {**asdict(config), "drafters": [{"method": d.method, **asdict(d)} for d in config.drafters]}
 
 
 def _record(loaded: LoadedModel, config: TrainConfig, trainers: list[DrafterTrainer]) -> None:
@@ -310,7 +296,7 @@ def _record(loaded: LoadedModel, config: TrainConfig, trainers: list[DrafterTrai
     store = ResultStore(Path("results") / loaded.identity.name.replace("/", "--") / "train.jsonl")
     for t in trainers:
         store.append({"kind": "train", "config_key": f"{t.spec.method}-{t.spec.tag}", "method": t.spec.method,
-                      "params": {"n": t.spec.n, "ls": t.spec.ls, "schedule": t.spec.schedule},
+                      "params": t.spec.params,
                       "model": loaded.identity.to_dict(), "command": config.command, "tokens": t.tokens,
                       "steps": t.step, "validation": t.validation, "checkpoint": str(t.folder),
                       "config": _config_dict(config), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})

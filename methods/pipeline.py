@@ -131,7 +131,7 @@ class Drafter:
             causal = keys[None, :] <= torch.tensor([r.position for r in finished])[:, None]
             layout = torch.cat([causal, tree_mask(nodes, base, len(keys))])
             mask = self.cache.begin(positions, torch.tensor(slots, device=x.device), layout.to(x.device))
-        out = spec.rows_forward(x, positions, mask, self.cache)
+        out = spec.decode(x, positions, mask, self.cache)
         if finished:
             self.final = finished[-1].position + 1
         leaves = len(levels[-1]) if levels else 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -34,16 +33,9 @@ class PipelineParams:
 
 def load_speculator(target, method: str, policy: str, params: PipelineParams, checkpoint: str | None) -> Speculator:
     """The trained drafter for (target, method, n, Ls, schedule): from --checkpoint or the cache."""
-    folder = Path(checkpoint) if checkpoint else checkpoints.drafter_dir(target.identity, method, params.tag)
-    if not (folder / checkpoints.CONFIG).exists():
-        if checkpoint:
-            raise HarnessError(f"checkpoint {folder} not found; pass a folder written by spd-bench train")
-        raise HarnessError(
-            f"no {method} drafter for {target.identity.name} with {params.tag}; train one with: spd-bench train "
-            f"--method {method} --n {params.n} --ls {params.ls} --schedule {params.schedule}"
-        )
-    saved = checkpoints.load_config(folder)
-    checkpoints.check_target(saved, target.identity)
+    folder, saved = checkpoints.locate(
+        target.identity, method, params.tag, checkpoint,
+        f"spd-bench train --method {method} --n {params.n} --ls {params.ls} --schedule {params.schedule}")
     config = SpeculatorConfig(**saved["speculator"])
     if (config.n, config.ls, config.schedule, config.policy) != (params.n, params.ls, params.schedule, policy):
         raise HarnessError(f"checkpoint {folder} is for {config.to_dict()}, not {params.tag} ({policy})")

@@ -4,18 +4,18 @@ A token that has finished k of the n pipeline stages ("depth k") contributes one
 linear projection of the target hidden states it has: h[0] (embedding) and a few layers up to the deepest it reached.
 Rows attend causally at their true positions; the newest row's logits draft the next token. Both the pipeline
 (inference, one row per token at its current depth) and training (every depth unrolled, depth-matched visibility)
-go through the same `rows_forward`, so they cannot drift apart.
+go through the same `decode`, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from harness.target import StateCache, TargetRuntime
+from harness.target import TargetRuntime
+from methods.draft_module import DraftModule
 
 SCHEDULES = ("input", "output")
 POLICIES = ("multi_depth", "first_stage")
@@ -81,73 +81,29 @@ class SpeculatorConfig:
         return asdict(self)
 
 
-def _module_layer_config(target_config, ls: int):
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = ls
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = ["full_attention"] * ls
-    return config
-
-
-class Speculator(nn.Module):
+class Speculator(DraftModule):
     """Per-depth projections -> Ls decoder layers of the target's shape -> target's final norm -> trainable head."""
 
     def __init__(self, config: SpeculatorConfig, target: TargetRuntime, draft_ids: torch.Tensor | None = None):
-        super().__init__()
+        super().__init__(target, config.ls, draft_ids)
         self.config = config
         hidden = target.config.hidden_size
         self.projections = nn.ModuleList(
             nn.Linear(len(config.layers_for(d)) * hidden, hidden, bias=False) for d in range(config.n + 1)
         )
-        layer_config = _module_layer_config(target.config, config.ls)
-        layer_class = type(target.layers[0])
-        self.layers = nn.ModuleList(layer_class(layer_config, i) for i in range(config.ls))
-        head_weight = target.model.lm_head.weight.detach()
-        if draft_ids is None:
-            self.register_buffer("draft_ids", torch.empty(0, dtype=torch.long))
-        else:
-            self.register_buffer("draft_ids", draft_ids.to(torch.long))
-            head_weight = head_weight[draft_ids]
-        self.head = nn.Linear(hidden, head_weight.shape[0], bias=False)
         with torch.no_grad():
-            self.head.weight.copy_(head_weight)
             for d, projection in enumerate(self.projections):
                 # Start as "the deepest feature passes through": a sensible init that training refines.
                 projection.weight.zero_()
                 last = len(config.layers_for(d)) - 1
                 projection.weight[:, last * hidden:].copy_(torch.eye(hidden))
         self.to(device=target.device, dtype=target.dtype)
-        self._frozen = (target.backbone.norm, target.backbone.rotary_emb)  # shared with the target, never trained
-        self.vocab_size = target.config.vocab_size
 
     # --- features ---------------------------------------------------------------------------------------------
     def project(self, depth: int, features: dict[int, torch.Tensor]) -> torch.Tensor:
         """Row input for a token at `depth` from its hidden states {layer: [..., D]}."""
         parts = [features[layer] for layer in self.config.layers_for(depth)]
         return self.projections[depth](torch.cat(parts, dim=-1))
-
-    # --- the one forward ----------------------------------------------------------------------------------------
-    def rows_forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                     cache: StateCache | None) -> torch.Tensor:
-        """Decoder layers over rows x [B, R, D] at `positions` [R]; `mask` [B, 1, R, K] bool (None: single row)."""
-        norm, rotary = self._frozen
-        rope = rotary(x, positions[None])
-        for layer in self.layers:
-            x = layer(x, attention_mask=mask, position_ids=positions[None], position_embeddings=rope, cache=cache)
-        return x
-
-    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the draft vocabulary (float32)."""
-        norm, _ = self._frozen
-        return self.head(norm(x)).float()
-
-    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary logits back to the target's ids (-inf elsewhere)."""
-        if self.draft_ids.numel() == 0:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.draft_ids] = logits
-        return full
 
 
 def unrolled_mask(n: int, segment_start: torch.Tensor) -> torch.Tensor:
@@ -178,6 +134,6 @@ def unrolled_logits(speculator: Speculator, features: dict[int, torch.Tensor], s
     rows = torch.cat([speculator.project(d, features) for d in range(config.n + 1)], dim=1)  # [B, (n+1)S, D]
     positions = torch.arange(size, device=rows.device).repeat(config.n + 1)
     mask = torch.stack([unrolled_mask(config.n, s) for s in segment_start])[:, None]
-    out = speculator.rows_forward(rows, positions, mask, cache=None)
+    out = speculator.decode(rows, positions, mask, cache=None)
     query = out[:, config.query_depth * size:(config.query_depth + 1) * size]
     return speculator.head_logits(query)

@@ -10,7 +10,7 @@ from methods.sampling import Sampler, SamplingConfig
 from methods.ppsd import PPSD
 from methods.spd import SPD
 from methods.speculator import Speculator, SpeculatorConfig, stage_bounds
-from tiny_models import tiny_model
+from tiny_models import exact_joint_of_tokens_1_and_2, tiny_model
 
 GREEDY = SamplingConfig()
 
@@ -138,19 +138,6 @@ def test_greedy_stops_at_a_stop_id_like_ar():
     assert method.generate([5, 6], 20, Sampler(GREEDY)).output_ids == expected
 
 
-def _exact_joint_of_tokens_1_and_2(model, prompt, vocab):
-    """P(x1, x2) under the target at T=1, marginalising the prefill token x0, by enumerating all continuations."""
-    seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-    probs = torch.softmax(model(seqs).logits.float(), dim=-1)  # [V*V, len, V]
-    p0 = probs[0, len(prompt) - 1]
-    joint = torch.zeros(vocab, vocab)
-    for a in range(vocab):
-        p1 = probs[a * vocab, len(prompt)]
-        for b in range(vocab):
-            joint[b] += p0[a] * p1[b] * probs[a * vocab + b, len(prompt) + 1]
-    return joint.flatten()
-
-
 @pytest.mark.parametrize("schedule, method, width", [("input", SPD, 1), ("output", SPD, 1), ("output", PPSD, 1),
                                                      ("input", SPD, 2), ("output", SPD, 4)])
 def test_sampled_tokens_follow_the_target_distribution(schedule, method, width):
@@ -163,7 +150,7 @@ def test_sampled_tokens_follow_the_target_distribution(schedule, method, width):
     with torch.no_grad():  # a drafter far from the target, so a wrong residual would show
         method.speculator.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))
     prompt = [1, 2, 3]
-    expected = _exact_joint_of_tokens_1_and_2(model, prompt, vocab)
+    expected = exact_joint_of_tokens_1_and_2(model, prompt, vocab)
     counts = torch.zeros(vocab * vocab)
     runs = 1500
     for seed in range(runs):

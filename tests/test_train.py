@@ -64,3 +64,24 @@ def test_run_without_a_drafter_names_the_train_command(tiny_dir, eval_dir, tmp_p
     assert result.exit_code == 2
     assert "spd-bench train --method spd --n 3 --ls 2 --schedule input" in result.output
     assert not out.exists()
+
+
+def test_one_teacher_pass_trains_spd_and_eagle3_heads_that_then_decode(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
+    result = CliRunner().invoke(main, ["train", "--method", "ppsd,eagle3", "--n", "2", "--m", "3", "--model",
+                                       str(tiny_dir), "--seq-len", "32", "--batch-size", "2", "--draft-vocab", "512",
+                                       "--tokens", "128"])
+    assert result.exit_code == 0, result.output
+    folder = tmp_path / "cache" / "drafters"
+    (head,) = folder.glob("*/eagle3-ttt3")
+    assert folder.glob("*/ppsd-n2-ls1-output")
+    saved = json.loads((head / "config.json").read_text())
+    assert saved["eagle"]["ttt"] == 3 and len(saved["train"]["validation"]["top1_by_step"]) == 3
+    for width in ("1", "4"):
+        out = tmp_path / f"eagle3-{width}.jsonl"
+        run = CliRunner().invoke(main, ["run", "--method", "eagle3", "--m", "2", "--width", width, "--param", "ttt=3",
+                                        "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "2",
+                                        "--max-new-tokens", "10", "--data-dir", str(eval_dir), "--out", str(out)])
+        assert run.exit_code == 0, run.output
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert all(r["lossless"]["identical"] for r in rows)
+        assert rows[0]["stats"]["draft"] == {"num_layers": 4, "ls": 1, "m": 2, "width": int(width)}

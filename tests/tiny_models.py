@@ -44,3 +44,16 @@ def tiny_model(arch: str, num_layers: int = 6, vocab_size: int = 256, seed: int 
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return model.eval()
+
+
+def exact_joint_of_tokens_1_and_2(model, prompt: list[int], vocab: int) -> torch.Tensor:
+    """P(x1, x2) under the target at T=1, marginalising the prefill token x0, by enumerating all continuations."""
+    seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+    probs = torch.softmax(model(seqs).logits.float(), dim=-1)  # [V*V, len, V]
+    p0 = probs[0, len(prompt) - 1]
+    joint = torch.zeros(vocab, vocab)
+    for a in range(vocab):
+        p1 = probs[a * vocab, len(prompt)]
+        for b in range(vocab):
+            joint[b] += p0[a] * p1[b] * probs[a * vocab + b, len(prompt) + 1]
+    return joint.flatten()

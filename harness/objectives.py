@@ -1,0 +1,116 @@
+"""What each kind of drafter trains on: the module it builds and the predictions its training forward makes.
+
+The training loop (harness/train.py) is the same for all of them: it runs the teacher once per batch, asks every
+drafter for its `Prediction`s and takes a weighted KL(target || drafter) step on each. A pipeline drafter (SPD,
+PPSD) makes one prediction per position from the unrolled depth layout; an EAGLE-3 head makes one per
+training-time-test step, from its own states, with geometrically decaying weights.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
+from methods.speculator import Speculator, SpeculatorConfig, unrolled_logits
+
+TTT_DECAY = 0.8  # loss weight of training-time-test step k is TTT_DECAY ** (k - 1)
+
+
+@dataclass
+class Prediction:
+    logits: torch.Tensor  # [B, S', V'] draft logits; row t is scored against the target at t + offset
+    offset: int
+    weight: float
+    groups: torch.Tensor | int  # validation group per row (fill level) or for all rows (TTT step)
+
+
+def segment_starts(size: int, n: int, flush: bool, rng: random.Random) -> torch.Tensor:
+    """Per position, where its pipeline segment starts: 0 (full pipeline) or the last simulated flush."""
+    starts = torch.zeros(size, dtype=torch.long)
+    if flush:
+        position = rng.randint(1, 2 * n)
+        while position < size:
+            starts[position:] = position
+            position += rng.randint(1, 2 * n)
+    return starts
+
+
+def fill_levels(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """In-flight tokens older than each query, capped at n - 1 (the steady state)."""
+    return torch.clamp(torch.arange(starts.shape[-1], device=starts.device) - starts, max=n - 1)
+
+
+@dataclass
+class PipelineSpec:
+    """An SPD or PPSD drafter: n stages, Ls layers, a schedule and a feature policy."""
+
+    method: str
+    n: int
+    ls: int
+    schedule: str
+    policy: str
+    group_name = "fill"
+    config_name = "speculator"
+
+    @property
+    def tag(self) -> str:
+        return f"n{self.n}-ls{self.ls}-{self.schedule}"
+
+    @property
+    def params(self) -> dict:
+        return {"n": self.n, "ls": self.ls, "schedule": self.schedule}
+
+    @property
+    def groups(self) -> int:
+        return self.n
+
+    def build(self, target, draft_ids) -> Speculator:
+        config = SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule, policy=self.policy,
+                                  num_layers=target.num_layers, target=target.identity.to_dict(),
+                                  draft_vocab_size=None if draft_ids is None else len(draft_ids))
+        return Speculator(config, target, draft_ids)
+
+    def predictions(self, module: Speculator, features: dict, ids: torch.Tensor, rng: random.Random,
+                    partial_fill: float) -> list[Prediction]:
+        """Half the sequences (by `partial_fill`) simulate a pipeline refilling after prefill or a flush."""
+        size = ids.shape[1]
+        starts = torch.stack([segment_starts(size, self.n, rng.random() < partial_fill, rng)
+                              for _ in range(ids.shape[0])]).to(ids.device)
+        return [Prediction(unrolled_logits(module, features, starts), 0, 1.0, fill_levels(starts, self.n))]
+
+
+@dataclass
+class EagleSpec:
+    """An EAGLE-3 head trained with `ttt` training-time-test steps."""
+
+    ttt: int
+    method = "eagle3"
+    group_name = "step"
+    config_name = "eagle"
+
+    @property
+    def tag(self) -> str:
+        return f"ttt{self.ttt}"
+
+    @property
+    def params(self) -> dict:
+        return {"ttt": self.ttt}
+
+    @property
+    def groups(self) -> int:
+        return self.ttt
+
+    def build(self, target, draft_ids) -> EagleHead:
+        config = EagleConfig(ttt=self.ttt, num_layers=target.num_layers, target=target.identity.to_dict(),
+                             draft_vocab_size=None if draft_ids is None else len(draft_ids))
+        return EagleHead(config, target, draft_ids)
+
+    def predictions(self, module: EagleHead, features: dict, ids: torch.Tensor, rng: random.Random,
+                    partial_fill: float) -> list[Prediction]:
+        size = ids.shape[1]
+        steps = ttt_logits(module, features, ids, min(self.ttt, size - 1))
+        return [Prediction(logits[:, : size - k], k, TTT_DECAY ** (k - 1), k - 1)
+                for k, logits in enumerate(steps, start=1)]

@@ -1,0 +1,65 @@
+"""What every trained drafter shares: decoder layers of the target's class, the target's frozen final norm and
+rotary embedding, and a trainable LM head initialised from the target's rows over an optional draft vocabulary."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from harness.target import TargetRuntime
+
+
+def module_layer_config(target_config, count: int):
+    """The target's layer config for a `count`-layer drafter (all full attention: drafters use masks and trees)."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = count
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * count
+    return config
+
+
+class DraftModule(nn.Module):
+    """Base of the SPD speculator and the EAGLE-3 head: `layers`, `head`, `draft_ids` and the frozen target parts."""
+
+    def __init__(self, target: TargetRuntime, num_layers: int, draft_ids: torch.Tensor | None):
+        super().__init__()
+        hidden = target.config.hidden_size
+        layer_class = type(target.layers[0])
+        layer_config = module_layer_config(target.config, num_layers)
+        self.layers = nn.ModuleList(layer_class(layer_config, i) for i in range(num_layers))
+        head_weight = target.model.lm_head.weight.detach()
+        if draft_ids is None:
+            self.register_buffer("draft_ids", torch.empty(0, dtype=torch.long))
+        else:
+            self.register_buffer("draft_ids", draft_ids.to(torch.long))
+            head_weight = head_weight[draft_ids]
+        self.head = nn.Linear(hidden, head_weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(head_weight)
+        self.vocab_size = target.config.vocab_size
+        # Shared with the target and never trained (a tuple keeps them out of this module's parameters).
+        self._frozen = (target.backbone.norm, target.backbone.rotary_emb, target.backbone.embed_tokens)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """The decoder layers over rows x [B, R, D] at `positions` [R]; `mask` [B, 1, R, K] bool (None: one row)."""
+        rope = self._frozen[1](x, positions[None])
+        for layer in self.layers:
+            x = layer(x, attention_mask=mask, position_ids=positions[None], position_embeddings=rope, cache=cache)
+        return x
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the draft vocabulary (float32), after the target's final norm."""
+        return self.head(self._frozen[0](x)).float()
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary logits back to the target's ids (-inf elsewhere)."""
+        if self.draft_ids.numel() == 0:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_ids] = logits
+        return full
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._frozen[2](ids)

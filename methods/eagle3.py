@@ -1,0 +1,229 @@
+"""EAGLE-3: a trained one-layer head drafts m tokens (a chain, or a beam tree of width W) from fused target
+features and its own states; the target verifies every candidate in ONE forward with a tree attention mask, keeps
+the longest accepted path (its KV compacted into place) and adds one bonus token per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness import checkpoints
+from harness.errors import HarnessError
+from harness.target import StateCache, TargetRuntime
+from methods.base import Generation, Method, Timer, register
+from methods.eagle_head import EagleConfig, EagleHead
+from methods.sampling import Sampler
+from methods.verify import chain_rejection, verify_tree
+
+
+@dataclass(frozen=True)
+class EagleParams:
+    m: int = 7  # draft depth per round
+    width: int = 1  # 1: a chain; W: the W best branches per depth by cumulative draft log-probability
+    ttt: int = 7  # which trained head: the training-time-test depth it was trained with
+
+    def __post_init__(self):
+        if self.m < 1 or self.width < 1:
+            raise ValueError(f"m and width must be >= 1, got m={self.m}, width={self.width}")
+        EagleConfig(ttt=self.ttt, num_layers=4)  # validates ttt
+
+    @property
+    def tag(self) -> str:
+        return f"ttt{self.ttt}"
+
+
+def load_head(target: TargetRuntime, params: EagleParams, checkpoint: str | None) -> EagleHead:
+    folder, saved = checkpoints.locate(target.identity, "eagle3", params.tag, checkpoint,
+                                       f"spd-bench train --method eagle3 --m {params.ttt}")
+    weights = checkpoints.load_weights(folder)
+    head = EagleHead(EagleConfig(**saved["eagle"]), target, draft_ids=weights.get("draft_ids"))
+    head.load_state_dict(weights)
+    return head.eval()
+
+
+@dataclass(eq=False)
+class Node:
+    """A drafted token: its parent (index into the round's nodes, -1 for the root), depth and branch score."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float = 0.0
+    q: torch.Tensor | None = None  # the distribution it was sampled from (sampled chain, T > 0)
+    state: torch.Tensor | None = None  # the head's output for this node's row [1, 1, D]
+
+
+class _Head:
+    """The head's side of one generation. Its KV cache holds the row of the token at position q in slot q - 1, so
+    the target-feature rows fill slots 0 .. base - 1 and a round's draft rows follow from slot base."""
+
+    def __init__(self, head: EagleHead, max_len: int):
+        self.head = head
+        self.device = head.head.weight.device
+        self.cache = StateCache(["full_attention"], max_len, rewind_window=0)
+        self.root: torch.Tensor | None = None  # output state of the newest target-feature row
+
+    def append(self, tokens: list[int], features: dict[int, torch.Tensor], start: int) -> None:
+        """Rows for `tokens` at positions start.. with the target features of the positions before them; the
+        newest row's output becomes the root the next draft starts from."""
+        head = self.head
+        positions = torch.arange(start, start + len(tokens), device=self.device)
+        mask = self.cache.begin(positions - 1)
+        out = head.rows(head.embed(positions.new_tensor(tokens)[None]), head.fused(features), positions, mask, self.cache)
+        self.root = out[:, -1:]
+
+    def draft_rows(self, nodes: list[Node], level: list[int], base: int) -> torch.Tensor:
+        """Rows for the nodes of one level, reading their parents' states; node i sits in slot base + i."""
+        head = self.head
+        tokens = torch.tensor([nodes[i].token for i in level], device=self.device)
+        feature = torch.cat([nodes[nodes[i].parent].state if nodes[i].parent >= 0 else self.root for i in level], 1)
+        positions = torch.tensor([base + nodes[i].depth for i in level], device=self.device)
+        slots = torch.tensor([base + i for i in level], device=self.device)
+        layout = tree_mask(nodes, level, base, base, base + len(nodes))
+        mask = self.cache.begin(positions, slots, layout.to(self.device))
+        return head.rows(head.embed(tokens[None]), feature, positions, mask, self.cache)
+
+
+def tree_mask(nodes: list[Node], rows: list[int], prefix: int, first_slot: int, kv_end: int) -> torch.Tensor:
+    """[rows, kv_end]: slots below `prefix` plus, for row i (-1: the root), node i's ancestors and itself, node j
+    sitting in slot first_slot + j."""
+    mask = torch.zeros(len(rows), kv_end, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for r, i in enumerate(rows):
+        while i >= 0:
+            mask[r, first_slot + i] = True
+            i = nodes[i].parent
+    return mask
+
+
+@register
+class EAGLE3(Method):
+    name = "eagle3"
+    Params = EagleParams
+
+    def __init__(self, target, params: EagleParams, stop_ids, checkpoint=None, head: EagleHead | None = None):
+        super().__init__(target, params, stop_ids, checkpoint)
+        self.head = head or load_head(target, params, checkpoint)
+        self.layers = self.head.config.all_feature_layers()
+        if params.width > 1 and target.has_linear_layers:
+            raise HarnessError(f"draft width {params.width} needs tree attention, which linear-attention layers "
+                               f"cannot apply; use --width 1 with this model")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        target, m = self.target, self.params.m
+        target.reset()
+        head = _Head(self.head, target.max_len)
+        timer = Timer(target.device)
+        with timer("prefill"):
+            logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, self.layers)
+            output = [sampler.pick(logits[-1])]
+            head.append(prompt_ids[1:] + output, captured, start=1)
+        accepted, position_accepts, candidates = [], [0] * m, 0
+        with timer("decode"):
+            while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
+                base = len(prompt_ids) + len(output) - 1  # position of the newest committed token
+                with timer("drafter"):
+                    nodes = self._draft(head, base, sampler)
+                with timer("verify"):
+                    path, bonus, features = self._verify(nodes, output[-1], base, sampler)
+                new = self._commit(output, [nodes[i].token for i in path] + [bonus], max_new_tokens)
+                accepted.append(len(new))
+                candidates += len(nodes)
+                for k in range(min(len(path), len(new))):
+                    position_accepts[k] += 1
+                with timer("drafter"):
+                    features = {layer: h[:, : len(new)] for layer, h in features.items()}
+                    head.append(new, features, start=base + 1)
+        return Generation(
+            output_ids=output,
+            steps=len(accepted),
+            accepted=accepted,
+            position_accepts=position_accepts,
+            timing=timer.totals,
+            stats={"candidates": candidates,
+                   "draft": {"num_layers": target.num_layers, "ls": 1, "m": m, "width": self.params.width}},
+        )
+
+    def _commit(self, output: list[int], tokens: list[int], max_new_tokens: int) -> list[int]:
+        """Append tokens up to the budget and the first stop id; returns those appended."""
+        new = []
+        for token in tokens:
+            if len(output) >= max_new_tokens or output[-1] in self.stop_ids:
+                break
+            output.append(token)
+            new.append(token)
+        return new
+
+    # --- drafting -------------------------------------------------------------------------------------------------
+    def _draft(self, head: _Head, base: int, sampler: Sampler) -> list[Node]:
+        """m levels of candidates after the root, parents before children (at most W per level)."""
+        width = self.params.width
+        nodes: list[Node] = []
+        frontier, states = [-1], head.root
+        for depth in range(1, self.params.m + 1):
+            logits = self.head.full_vocab(self.head.head_logits(states))[0]  # [len(frontier), V]
+            level = self._children(nodes, frontier, logits, depth, width, sampler)
+            if depth == self.params.m:
+                break
+            states = head.draft_rows(nodes, level, base)
+            for i, index in enumerate(level):
+                nodes[index].state = states[:, i : i + 1]
+            frontier = level
+        return nodes
+
+    def _children(self, nodes: list[Node], frontier: list[int], logits: torch.Tensor, depth: int, width: int,
+                  sampler: Sampler) -> list[int]:
+        """Add the next level: a sampled token (chain, T > 0) or the `width` best children by cumulative score."""
+        start = len(nodes)
+        if width == 1 and not sampler.greedy:
+            q = sampler.probs(logits[0])
+            nodes.append(Node(sampler.draw(q), frontier[0], depth, q=q))
+            return [start]
+        logp = torch.log_softmax(logits, dim=-1) if sampler.greedy else sampler.probs(logits).log()
+        top = torch.topk(logp, width, dim=-1)
+        scores = top.values + torch.tensor([nodes[i].score if i >= 0 else 0.0 for i in frontier])[:, None]
+        best = torch.topk(scores.flatten(), width)
+        for value, flat in zip(best.values.tolist(), best.indices.tolist()):
+            if value > float("-inf"):
+                row, col = divmod(flat, width)
+                nodes.append(Node(int(top.indices[row, col]), frontier[row], depth, value))
+        return list(range(start, len(nodes)))
+
+    # --- verification ---------------------------------------------------------------------------------------------
+    def _verify(self, nodes: list[Node], last: int, base: int, sampler: Sampler):
+        """One target forward over the root and every candidate; returns (accepted node path, next token,
+        target features of the root and the path rows)."""
+        target = self.target
+        device = target.device
+        ids = torch.tensor([last] + [n.token for n in nodes], device=device)
+        positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
+        chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
+        slots = mask = None
+        if not chain:  # rows see the prefix plus their own branch; slots base + 1 + i hold the candidates
+            slots = base + torch.arange(len(ids), device=device)
+            mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
+        h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
+                                        capture=self.layers)
+        logits = target.logits(h)
+        path, bonus = self._accept(nodes, logits, sampler)
+        rows = [0] + [i + 1 for i in path]
+        if path and path != list(range(len(path))):  # the accepted branch's KV moves to its positions
+            target.cache.move(torch.tensor([base + 1 + i for i in path], device=device), base + 1)
+        if target.has_linear_layers and len(path) < len(nodes):  # rewind, then replay the accepted prefix
+            target.truncate(base)
+            _, captured = target.forward(ids[: len(rows)], base, self.layers)
+            rows = list(range(len(rows)))
+        return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
+
+    def _accept(self, nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+        parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
+        if sampler.greedy:
+            return verify_tree(parents, tokens, None, logits.argmax(-1).tolist())
+        p = sampler.probs(logits)
+        if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
+            count, token = chain_rejection(tokens, torch.stack([n.q for n in nodes]), p, sampler.generator)
+            return list(range(count)), token
+        return verify_tree(parents, tokens, p, None, sampler.generator)
