@@ -1,8 +1,9 @@
 """Pooled metrics over result records: sums per dataset and overall, never means of per-sample ratios.
 
-Definitions (one for every method): tokens/step is tau for draft-then-verify methods and alpha for pipeline
-methods; L'acc = alpha * L / largest stage; theoretical speedup: input schedule alpha*L/max(largest, Ls), output
-schedule and PPSD alpha*L/(largest + Ls); the modeled multi-device speedup puts measured component times in those
+Definitions (one for every method): tokens/step (the prefill token excluded) is tau for draft-then-verify methods
+(tokens per target forward, bonus included) and alpha for pipeline methods; L'acc = alpha * L / largest stage;
+theoretical speedup: input schedule alpha*L/max(largest, Ls), output schedule and PPSD alpha*L/(largest + Ls),
+EAGLE-3 tau*L/(Ls*m + L); the modeled multi-device speedup puts measured component times in those
 formulas; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the same prompts.
 """
 
@@ -38,7 +39,8 @@ class Summary:
     fill_accepts: list = field(default_factory=list)
     baseline_tokens: int = 0
     baseline_decode_s: float = 0.0
-    pipeline: dict | None = None
+    pipeline: dict | None = None  # pipeline methods: layers, stages, Ls, schedule, width
+    draft: dict | None = None  # draft-then-verify methods: layers, Ls, m, width
 
     def add(self, row: dict) -> None:
         self.samples += 1
@@ -52,8 +54,10 @@ class Summary:
         stats = row.get("stats", {})
         _add(self.counts, {k: stats.get(k, 0) for k in ("stage_runs", "drafter_calls", "verifications")})
         self.pipeline = stats.get("pipeline", self.pipeline)
-        self.fill_drafts = _vector_sum(self.fill_drafts, stats.get("fill_drafts", []))
-        self.fill_accepts = _vector_sum(self.fill_accepts, row.get("position_accepts", []))
+        self.draft = stats.get("draft", self.draft)
+        accepts = row.get("position_accepts", [])
+        self.fill_drafts = _vector_sum(self.fill_drafts, stats.get("fill_drafts") or [row["steps"]] * len(accepts))
+        self.fill_accepts = _vector_sum(self.fill_accepts, accepts)
         if row.get("baseline"):
             self.baseline_tokens += row["baseline"]["new_tokens"]
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
@@ -67,7 +71,8 @@ class Summary:
 
     @property
     def tokens_per_step(self) -> float | None:
-        return self.new_tokens / self.steps if self.steps else None
+        """Tokens committed per step; each sample's first token comes from the prefill, not from a step."""
+        return (self.new_tokens - self.samples) / self.steps if self.steps else None
 
     @property
     def lossless_pct(self) -> float | None:
@@ -88,7 +93,12 @@ class Summary:
     def theoretical_speedup(self) -> float | None:
         if self.method == "autoregressive":
             return 1.0
-        if self.pipeline is None or self.tokens_per_step is None:
+        if self.tokens_per_step is None:
+            return None
+        if self.draft is not None:
+            shape = self.draft
+            return self.tokens_per_step * shape["num_layers"] / (shape["ls"] * shape["m"] + shape["num_layers"])
+        if self.pipeline is None:
             return None
         shape = self.pipeline
         largest, ls, layers = shape["largest_stage"], shape["ls"], shape["num_layers"]

@@ -13,7 +13,8 @@ COLUMNS = ("method", "params", "model", "T", "dataset", "samples", "new tokens",
 
 NOTES = """\
 tokens/step: tau (draft-then-verify) or alpha (pipeline: tokens per cycle); L'acc = alpha * L / largest stage.
-theoretical x: input schedule alpha*L/max(largest stage, Ls), output schedule alpha*L/(largest stage + Ls).
+theoretical x: input schedule alpha*L/max(largest stage, Ls), output schedule alpha*L/(largest stage + Ls),
+EAGLE-3 tau*L/(Ls*m + L) (tokens/step excludes each sample's prefill token).
 modeled x: the same with measured stage / drafter / verification-head times (one device per stage).
 wall-clock x: decode tok/s over AR's, AR timed beside the method on the same prompts in the same run; a
 single-process pipeline runs its stages one after another, so this is below 1 by construction.
@@ -41,17 +42,24 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
         "| " + " | ".join(r) + " |" for r in rows]
 
 
+def _acceptance_table(summaries: list[Summary], title: str, label: str) -> list[str]:
+    if not summaries:
+        return []
+    width = max(len(s.fill_drafts) for s in summaries)
+    header = ["method", "params", "T"] + [f"{label} {k}" for k in range(width)]
+    rows = [[s.method, _params(s.params), f"{s.temperature:g}"]
+            + [_num(a) for a in s.fill_acceptance] + ["—"] * (width - len(s.fill_drafts)) for s in summaries]
+    return [title, ""] + _table(header, rows) + [""]
+
+
 def markdown(summaries: list[Summary]) -> str:
     lines = ["## Results", ""] + _table(list(COLUMNS), [_cells(s) for s in summaries]) + ["", NOTES]
     overall = [s for s in summaries if s.dataset == OVERALL]
-    fills = [s for s in overall if s.fill_drafts]
-    if fills:
-        width = max(len(s.fill_drafts) for s in fills)
-        header = ["method", "params", "T"] + [f"fill {k}" for k in range(width)]
-        rows = [[s.method, _params(s.params), f"{s.temperature:g}"]
-                + [_num(a) for a in s.fill_acceptance] + ["—"] * (width - len(s.fill_drafts)) for s in fills]
-        lines += ["## Draft acceptance by pipeline fill level (fill k: drafted with k + 1 tokens in flight)", ""]
-        lines += _table(header, rows) + [""]
+    lines += _acceptance_table([s for s in overall if s.pipeline and s.fill_drafts],
+                               "## Draft acceptance by pipeline fill level (fill k: drafted with k + 1 tokens in flight)",
+                               "fill")
+    lines += _acceptance_table([s for s in overall if s.draft and s.fill_drafts],
+                               "## Acceptance by draft position (share of rounds that accepted position k)", "pos")
     lines += ["## Losslessness", ""]
     rows = [[s.method, _params(s.params), f"{s.temperature:g}", str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall]

@@ -21,14 +21,15 @@ def test_pooled_alpha_is_a_ratio_of_sums_not_a_mean_of_ratios():
     rows = [_row("a", 10, 10), _row("a", 30, 10, qid=1)]
     (per_dataset, overall) = summarize(rows)
     assert overall.dataset == OVERALL and per_dataset.dataset == "a"
-    assert overall.tokens_per_step == pytest.approx(40 / 20)  # a mean of ratios would give 2.0 too; next case differs
+    # each sample's first token comes from the prefill, not from a step
+    assert overall.tokens_per_step == pytest.approx(38 / 20)
     rows = [_row("a", 10, 20), _row("a", 30, 10, qid=1)]
-    assert summarize(rows)[-1].tokens_per_step == pytest.approx(40 / 30)
+    assert summarize(rows)[-1].tokens_per_step == pytest.approx(38 / 30)  # a mean of ratios would give 1.6
 
 
 @pytest.mark.parametrize("schedule, cycle_layers", [("input", 4), ("output", 8)])
 def test_pipeline_speedup_formulas(schedule, cycle_layers):
-    s = summarize([_row("a", 20, 10, schedule=schedule)])[-1]
+    s = summarize([_row("a", 21, 10, schedule=schedule)])[-1]
     alpha = 2.0
     assert s.l_acc == pytest.approx(alpha * 30 / 4)
     assert s.theoretical_speedup == pytest.approx(alpha * 30 / cycle_layers)
@@ -38,3 +39,15 @@ def test_pipeline_speedup_formulas(schedule, cycle_layers):
     assert s.modeled_speedup == pytest.approx(alpha * (30 * per_layer + head) / cycle)
     assert s.wall_clock_speedup == pytest.approx(2.0)  # same tokens in half the decode time
     assert s.fill_acceptance == [0.5, 0.5]
+
+
+def test_eagle3_tau_speedup_and_per_position_acceptance():
+    row = _row("a", 41, 10)
+    row.update(method="eagle3", position_accepts=[8, 5, 2],
+               stats={"draft": {"num_layers": 30, "ls": 1, "m": 3, "width": 1}})
+    s = summarize([row])[-1]
+    tau = 4.0  # 40 tokens after the prefill one in 10 target forwards
+    assert s.tokens_per_step == pytest.approx(tau)
+    assert s.theoretical_speedup == pytest.approx(tau * 30 / (1 * 3 + 30))
+    assert s.fill_acceptance == [0.8, 0.5, 0.2]
+    assert s.l_acc is None and s.modeled_speedup is None
