@@ -118,15 +118,19 @@ def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, tempera
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv"]), default="markdown", show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
 def report(results, fmt, out):
-    """Pooled metrics per configuration and dataset."""
+    """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
     from harness.metrics import summarize
-    from harness.report import RENDERERS
+    from harness.report import RENDERERS, render_figures
     from harness.results import load_all
 
     rows = load_all(results)
     if not rows:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
-    text = RENDERERS[fmt](summarize(rows))
+    summaries = summarize(rows)
+    if fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
+        text = RENDERERS[fmt](summaries, render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent))
+    else:
+        text = RENDERERS[fmt](summaries)
     if out is None:
         click.echo(text, nl=False)
         return

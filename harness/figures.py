@@ -1,0 +1,84 @@
+"""Report figures (matplotlib, PNG): acceptance by draft position / fill level, accepted-length histograms and
+theoretical vs measured speedups per configuration."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from harness.metrics import Summary  # noqa: E402
+
+
+def label(s: Summary) -> str:
+    params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()) if k != "schedule" or v != "input")
+    return f"{s.method} {params} T={s.temperature:g}".replace("  ", " ")
+
+
+def acceptance(summaries: list[Summary], path: Path) -> Path | None:
+    """Acceptance rate per fill level (pipeline) or draft position (EAGLE-3), one line per configuration."""
+    shown = [s for s in summaries if s.fill_drafts]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, kind, xlabel in ((axes[0], "pipeline", "pipeline fill level"), (axes[1], "draft", "draft position")):
+        for s in shown:
+            if getattr(s, kind) is not None:
+                rates = [float("nan") if a is None else a for a in s.fill_acceptance]
+                ax.plot(range(len(rates)), rates, marker="o", label=label(s))
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[0].set_ylabel("acceptance rate")
+    return _save(fig, path)
+
+
+def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
+    """Histogram of tokens committed per step (cycle or round), per configuration, T=0 records."""
+    groups: dict[str, Counter] = {}
+    for row in rows:
+        if row["method"] != "autoregressive" and row["temperature"] == 0:
+            name = f"{row['method']} " + " ".join(f"{k}={v}" for k, v in sorted(row["params"].items()))
+            groups.setdefault(name, Counter()).update(a for a in row["accepted"] if a > 0)
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(groups)
+    for i, (name, counts) in enumerate(sorted(groups.items())):
+        total = sum(counts.values())
+        xs = sorted(counts)
+        ax.bar([x + i * width for x in xs], [counts[x] / total for x in xs], width=width, label=name)
+    ax.set_xlabel("tokens committed per step (steps that committed any)")
+    ax.set_ylabel("share of steps")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def speedups(summaries: list[Summary], path: Path) -> Path | None:
+    """Theoretical, modeled multi-device and wall-clock speedup per configuration (overall rows)."""
+    shown = [s for s in summaries if s.method != "autoregressive" and s.theoretical_speedup is not None]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shown)), 4.5))
+    kinds = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"), ("wall-clock", "wall_clock_speedup"))
+    for k, (name, attr) in enumerate(kinds):
+        values = [getattr(s, attr) or 0.0 for s in shown]
+        ax.bar([i + (k - 1) * 0.27 for i in range(len(shown))], values, width=0.27, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(shown)), [label(s) for s in shown], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speedup over AR")
+    ax.legend()
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
