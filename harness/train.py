@@ -91,7 +91,8 @@ def teacher(target: TargetRuntime, ids: torch.Tensor, layers: tuple[int, ...]) -
     h = target.backbone.embed_tokens(ids)
     positions = torch.arange(ids.shape[1], device=ids.device)
     h, captured = target.run_layers(0, target.num_layers, h, positions, capture=layers)
-    return target.model.lm_head(target.backbone.norm(h)).float(), captured
+    # Drafters train in float32 whatever the target's dtype (bf16 on GPUs): hand them float32 features.
+    return target.model.lm_head(target.backbone.norm(h)).float(), {k: v.float() for k, v in captured.items()}
 
 
 class DrafterTrainer:

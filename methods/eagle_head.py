@@ -67,7 +67,8 @@ class EagleHead(DraftModule):
     def rows(self, token_embeddings: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None, cache) -> torch.Tensor:
         """Head rows [B, R, D] (embedding, feature) at `positions`; returns their output states (pre-norm)."""
-        return self.decode(self.combine(torch.cat([token_embeddings, feature], dim=-1)), positions, mask, cache)
+        x = torch.cat([token_embeddings.to(feature.dtype), feature], dim=-1)  # the embedding table is the target's
+        return self.decode(self.combine(x), positions, mask, cache)
 
 
 class ConcatCache:

@@ -85,3 +85,30 @@ def test_one_teacher_pass_trains_spd_and_eagle3_heads_that_then_decode(tiny_dir,
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         assert all(r["lossless"]["identical"] for r in rows)
         assert rows[0]["stats"]["draft"] == {"num_layers": 4, "ls": 1, "m": 2, "width": int(width)}
+
+
+@pytest.mark.parametrize("kind", ["spd", "eagle3"])
+def test_float32_drafters_train_on_a_bfloat16_target(kind):
+    """GPU training keeps the target in bf16: the teacher's features reach the float32 drafter as float32."""
+    import random
+
+    import torch
+
+    from harness.models import ModelIdentity
+    from harness.objectives import EagleSpec, PipelineSpec
+    from harness.target import TargetRuntime
+    from harness.train import teacher
+    from tiny_models import tiny_model
+
+    with torch.inference_mode(False), torch.enable_grad():  # as inside harness.train.train
+        target = TargetRuntime(tiny_model("qwen3").to(torch.bfloat16), max_len=32,
+                               identity=ModelIdentity("tiny", "0" * 64))
+        spec = PipelineSpec("spd", 2, 1, "input", "multi_depth") if kind == "spd" else EagleSpec(3)
+        module = spec.build(target, None).float().train()
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            _, features = teacher(target, ids, module.config.all_feature_layers())
+        predictions = spec.predictions(module, features, ids, random.Random(0), 0.5)
+        sum(p.logits.logsumexp(-1).mean() for p in predictions).backward()
+    assert all(p.logits.dtype == torch.float32 for p in predictions)
+    assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
