@@ -141,6 +141,34 @@ def report(results, fmt, out):
     click.echo(f"report: {out}")
 
 
+@main.command()
+@click.option("--baseline", type=click.Path(path_type=Path), required=True, help="Baseline JSON (spd-bench check --write).")
+@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+              help="Results file or folder to check.")
+@click.option("--tolerance", type=click.FloatRange(0, 1), default=0.1, show_default=True,
+              help="Largest allowed relative drop of pooled tokens/step.")
+@click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking.")
+def check(baseline, results, tolerance, write):
+    """Exit 1 when acceptance fell beyond the tolerance, a sample lost losslessness, or a configuration is missing."""
+    from harness import check as regression
+    from harness.metrics import summarize
+    from harness.results import load_all
+
+    rows = load_all(results)
+    if not rows:
+        raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
+    if write:
+        regression.write_baseline(baseline, summarize(rows))
+        click.echo(f"baseline: {baseline}")
+        return
+    outcomes = regression.compare(regression.read_baseline(baseline), summarize(rows), tolerance)
+    click.echo(regression.table(outcomes), nl=False)
+    failed = [o for o in outcomes if not o.ok]
+    click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")
+    if failed:
+        raise SystemExit(1)
+
+
 @main.group()
 def bench():
     """Speed benchmarks (figures go to results/bench/)."""

@@ -27,6 +27,7 @@ class Summary:
     model: str
     temperature: float
     dataset: str
+    config_key: str = ""
     samples: int = 0
     new_tokens: int = 0
     steps: int = 0
@@ -146,7 +147,8 @@ def summarize(rows: list[dict]) -> list[Summary]:
         for dataset in (row["dataset"], OVERALL):
             key = (*_group(row), dataset)
             if key not in table:
-                table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset)
+                table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset,
+                                     row["config_key"])
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
     return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.temperature,

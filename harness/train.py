@@ -61,17 +61,19 @@ class Chunk:
 
 
 def _chunks(loaded: LoadedModel, convs: list[list[dict]], seq_len: int) -> list[Chunk]:
-    """Pack conversations into a token stream and cut it into fixed-length chunks."""
+    """Pack conversations into a token stream and cut it into fixed-length chunks that contain assistant tokens."""
     ids, assistant = [], []
     for messages in convs:
         example = encode(loaded.tokenizer, messages, max_tokens=8 * seq_len)
-        ids += example.ids
-        assistant += example.assistant
+        if any(example.assistant):  # a long user turn can fill the token cap: nothing to learn from it
+            ids += example.ids
+            assistant += example.assistant
     out = []
     for start in range(0, len(ids) - seq_len, seq_len):
         chunk_ids = torch.tensor(ids[start:start + seq_len])
         predicts_assistant = torch.tensor(assistant[start + 1:start + seq_len + 1] + [False])[:seq_len]
-        out.append(Chunk(chunk_ids, predicts_assistant))
+        if predicts_assistant.any():  # the token budget goes to chunks that carry a loss
+            out.append(Chunk(chunk_ids, predicts_assistant))
     return out
 
 

@@ -1,0 +1,52 @@
+"""`spd-bench check`: passes on the results a baseline was written from, fails on a drop, a lost sample or a gap."""
+
+import json
+
+from click.testing import CliRunner
+
+from harness.cli import main
+from test_report import _row
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps({**r, "output_ids": [1]}) + "\n" for r in rows))
+
+
+def _check(*args):
+    result = CliRunner().invoke(main, ["check", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_check_passes_then_catches_a_drop_a_lost_sample_and_a_missing_config(tmp_path):
+    spd = {"n": 8, "ls": 4, "schedule": "input", "width": 1}
+    rows = [_row("spd", spd, d, "input") for d in ("gsm8k", "mt_bench")]
+    rows += [_row("eagle3", {"m": 3, "width": 1, "ttt": 7}, "gsm8k", draft={"num_layers": 30, "ls": 1, "m": 3, "width": 1})]
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, rows)
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 0 and "all configurations pass" in output
+
+    dropped = [dict(r, steps=10) if r["method"] == "spd" else r for r in rows]  # 10 tokens in 10 cycles, not 8
+    _write(results, dropped)
+    code, output = _check("--baseline", baseline, "--results", results, "--tolerance", "0.1")
+    assert code == 1 and "tokens/step fell more than 10%" in output and "-20.0%" in output
+    assert _check("--baseline", baseline, "--results", results, "--tolerance", "0.25")[0] == 0
+
+    lost = [dict(r, lossless={"checked": True, "identical": False, "first_divergence": 3}) if r["method"] == "eagle3"
+            else r for r in rows]
+    _write(results, lost)
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "lost losslessness" in output
+
+    _write(results, rows[:2])
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "missing" in output and "1 of 2 configurations failed" in output
+
+
+def test_an_unreadable_baseline_is_a_clear_error(tmp_path):
+    results = tmp_path / "r.jsonl"
+    _write(results, [_row("spd", {"n": 8}, "gsm8k", "input")])
+    (tmp_path / "bad.json").write_text("{")
+    code, output = _check("--baseline", tmp_path / "bad.json", "--results", results)
+    assert code == 2 and "cannot read baseline" in output and "--write" in output
