@@ -44,7 +44,7 @@ class Oracle(EAGLE3):
 
 
 @pytest.mark.parametrize("arch, width", [("llama", 1), ("qwen3", 1), ("qwen3_5", 1), ("llama", 4), ("qwen3", 4)])
-@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("hit_rate", [0.0, 0.7, 1.0])
 def test_greedy_output_is_token_identical_to_ar(arch, width, m, hit_rate):
     model = tiny_model(arch)
