@@ -58,7 +58,8 @@ def _width(s: Summary) -> int:
 
 
 def _config(s: Summary) -> str:
-    return f"{s.method} {_params({k: v for k, v in s.params.items() if k != 'width'})}"
+    params = {k: v for k, v in s.params.items() if k != "width"}
+    return f"{s.method} {_params(params)}" if params else s.method
 
 
 def main_tables(summaries: list[Summary]) -> list[str]:
