@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from harness.errors import HarnessError
 from harness.target import TargetRuntime
 from methods.sampling import Sampler
 
@@ -65,6 +66,13 @@ class Method(ABC):
     @abstractmethod
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
+
+
+def require_tree_attention(target: TargetRuntime, width: int) -> None:
+    """Draft trees need attention masks, which linear-attention layers (Qwen3.5 Gated DeltaNet) cannot apply."""
+    if width > 1 and target.has_linear_layers:
+        raise HarnessError(f"draft width {width} needs tree attention, which linear-attention layers cannot apply; "
+                           f"use --width 1 with this model")
 
 
 REGISTRY: dict[str, type[Method]] = {}

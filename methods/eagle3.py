@@ -10,9 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from harness import checkpoints
-from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
-from methods.base import Generation, Method, Timer, register
+from methods.base import Generation, Method, Timer, register, require_tree_attention
 from methods.eagle_head import EagleConfig, EagleHead
 from methods.sampling import Sampler
 from methods.verify import chain_rejection, verify_tree
@@ -25,9 +24,8 @@ class EagleParams:
     ttt: int = 7  # which trained head: the training-time-test depth it was trained with
 
     def __post_init__(self):
-        if self.m < 1 or self.width < 1:
-            raise ValueError(f"m and width must be >= 1, got m={self.m}, width={self.width}")
-        EagleConfig(ttt=self.ttt, num_layers=4)  # validates ttt
+        if min(self.m, self.width, self.ttt) < 1:
+            raise ValueError(f"m, width and ttt must be >= 1, got m={self.m}, width={self.width}, ttt={self.ttt}")
 
     @property
     def tag(self) -> str:
@@ -107,9 +105,7 @@ class EAGLE3(Method):
         super().__init__(target, params, stop_ids, checkpoint)
         self.head = head or load_head(target, params, checkpoint)
         self.layers = self.head.config.all_feature_layers()
-        if params.width > 1 and target.has_linear_layers:
-            raise HarnessError(f"draft width {params.width} needs tree attention, which linear-attention layers "
-                               f"cannot apply; use --width 1 with this model")
+        require_tree_attention(target, params.width)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
@@ -182,14 +178,9 @@ class EAGLE3(Method):
             q = sampler.probs(logits[0])
             nodes.append(Node(sampler.draw(q), frontier[0], depth, q=q))
             return [start]
-        logp = torch.log_softmax(logits, dim=-1) if sampler.greedy else sampler.probs(logits).log()
-        top = torch.topk(logp, width, dim=-1)
-        scores = top.values + torch.tensor([nodes[i].score if i >= 0 else 0.0 for i in frontier])[:, None]
-        best = torch.topk(scores.flatten(), width)
-        for value, flat in zip(best.values.tolist(), best.indices.tolist()):
-            if value > float("-inf"):
-                row, col = divmod(flat, width)
-                nodes.append(Node(int(top.indices[row, col]), frontier[row], depth, value))
+        scores = [nodes[i].score if i >= 0 else 0.0 for i in frontier]
+        for row, token, score in sampler.best_children(logits, scores, width):
+            nodes.append(Node(token, frontier[row], depth, score))
         return list(range(start, len(nodes)))
 
     # --- verification ---------------------------------------------------------------------------------------------

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
-from methods.base import Generation, Timer
+from methods.base import Generation, Timer, require_tree_attention
 from methods.sampling import Sampler
 from methods.speculator import Speculator
 from methods.verify import accept_or_resample, verify_siblings
@@ -153,9 +152,7 @@ class PipelineEngine:
         self.capture = self.config.all_feature_layers()
         if target.rewind_window < self.config.n:
             raise ValueError(f"target rewind window {target.rewind_window} < n = {self.config.n}")
-        if width > 1 and target.has_linear_layers:
-            raise HarnessError(f"draft width {width} needs tree attention, which linear-attention layers cannot "
-                               f"apply; use --width 1 with this model")
+        require_tree_attention(target, width)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         self.target.reset()
@@ -260,18 +257,9 @@ class PipelineEngine:
         if self.width == 1 and not sampler.greedy:  # one sampled draft, verified with the p/q rule
             q = sampler.probs(logits[0])
             return self._new_tokens(position, [sampler.draw(q)], parents, [0.0], fill, q)
-        logp = torch.log_softmax(logits.float(), dim=-1) if sampler.greedy else sampler.probs(logits).log()
-        top = torch.topk(logp, self.width, dim=-1)
-        scores = top.values + torch.tensor([leaf.score for leaf in leaves])[:, None]
-        best = torch.topk(scores.flatten(), self.width)
-        keep = [int(i) for v, i in zip(best.values, best.indices) if v > float("-inf")]
-        return self._new_tokens(
-            position,
-            [int(top.indices.flatten()[i]) for i in keep],
-            [parents[i // self.width] for i in keep],
-            [float(scores.flatten()[i]) for i in keep],
-            fill,
-        )
+        children = sampler.best_children(logits, [leaf.score for leaf in leaves], self.width)
+        return self._new_tokens(position, [token for _, token, _ in children],
+                                [parents[row] for row, _, _ in children], [score for _, _, score in children], fill)
 
     def shape(self) -> dict:
         """What the speedup formulas need: layer count, stage sizes, drafter depth, schedule and width."""

@@ -63,3 +63,14 @@ class Sampler:
         if self.greedy:
             return int(torch.argmax(logits))
         return self.draw(self.probs(logits))
+
+    def best_children(self, logits: torch.Tensor, parent_scores: list[float], width: int
+                      ) -> list[tuple[int, int, float]]:
+        """Draft-tree expansion: each row of draft logits [P, V] proposes its top `width` tokens; the `width` best
+        (parent row, token, cumulative log-probability) overall, best first, under these sampling settings."""
+        logp = torch.log_softmax(logits.float(), dim=-1) if self.greedy else self.probs(logits).log()
+        top = torch.topk(logp, width, dim=-1)
+        scores = top.values + torch.tensor(parent_scores, device=logp.device)[:, None]
+        best = torch.topk(scores.flatten(), width)
+        return [(flat // width, int(top.indices.flatten()[flat]), value)
+                for value, flat in zip(best.values.tolist(), best.indices.tolist()) if value > float("-inf")]

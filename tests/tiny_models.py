@@ -46,6 +46,27 @@ def tiny_model(arch: str, num_layers: int = 6, vocab_size: int = 256, seed: int 
     return model.eval()
 
 
+def flat_target(vocab: int):
+    """A tiny Llama with a flattened head at T=1, so every outcome of the first tokens is likely."""
+    model = tiny_model("llama", vocab_size=vocab)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    return model
+
+
+def sampled_joint_tv(method, model, vocab: int, runs: int = 1500, prompt=(1, 2, 3)) -> float:
+    """TV distance between the method's empirical joint of generated tokens 1 and 2 at T=1 and the exact one."""
+    from methods.sampling import Sampler, SamplingConfig
+
+    prompt = list(prompt)
+    expected = exact_joint_of_tokens_1_and_2(model, prompt, vocab)
+    counts = torch.zeros(vocab * vocab)
+    for seed in range(runs):
+        out = method.generate(prompt, 3, Sampler(SamplingConfig(temperature=1.0), torch.Generator().manual_seed(seed)))
+        counts[out.output_ids[1] * vocab + out.output_ids[2]] += 1
+    return 0.5 * float((counts / runs - expected).abs().sum())
+
+
 def exact_joint_of_tokens_1_and_2(model, prompt: list[int], vocab: int) -> torch.Tensor:
     """P(x1, x2) under the target at T=1, marginalising the prefill token x0, by enumerating all continuations."""
     seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
