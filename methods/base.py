@@ -67,6 +67,22 @@ class Method(ABC):
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
 
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """Acceptance replayed on `trajectory` (the AR output) instead of executed (methods/teacher.py)."""
+        raise HarnessError(f"{self.name} has no acceptance simulation; run it without --simulate")
+
+
+def commit(output: list[int], tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Append tokens up to the budget and the first stop id; returns those appended."""
+    new = []
+    for token in tokens:
+        if len(output) >= max_new_tokens or output[-1] in stop_ids:
+            break
+        output.append(token)
+        new.append(token)
+    return new
+
 
 def require_tree_attention(target: TargetRuntime, width: int) -> None:
     """Draft trees need attention masks, which linear-attention layers (Qwen3.5 Gated DeltaNet) cannot apply."""

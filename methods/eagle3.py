@@ -10,10 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from harness import checkpoints
+from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
-from methods.base import Generation, Method, Timer, register, require_tree_attention
+from methods.base import Generation, Method, Timer, commit, register, require_tree_attention
 from methods.eagle_head import EagleConfig, EagleHead
+from methods.eagle_replay import chain_accepts, replay_rounds, trajectory_verifier
 from methods.sampling import Sampler
+from methods.teacher import Teacher
 from methods.verify import chain_rejection, verify_tree
 
 
@@ -109,14 +112,39 @@ class EAGLE3(Method):
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        target, m = self.target, self.params.m
+        target = self.target
         target.reset()
-        head = _Head(self.head, target.max_len)
         timer = Timer(target.device)
         with timer("prefill"):
             logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, self.layers)
-            output = [sampler.pick(logits[-1])]
-            head.append(prompt_ids[1:] + output, captured, start=1)
+            first = sampler.pick(logits[-1])
+        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """Chains: every round's acceptance from one batched training-time-test forward (methods/eagle_replay.py).
+        Trees (T=0): the real drafting rounds, verified against the trajectory instead of a target forward."""
+        teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
+        if self.params.width == 1:
+            accepts = chain_accepts(self.head, teacher, self.params.m)
+            return replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids, self._shape())
+        if not sampler.greedy:
+            raise HarnessError("simulating EAGLE-3 draft trees at T > 0 is not supported; run width > 1 without "
+                               "--simulate or use --width 1")
+        start = teacher.prompt_len
+        prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
+        return self._rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
+                            Timer(self.target.device), trajectory_verifier(teacher))
+
+    def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
+                timer: Timer, verify) -> Generation:
+        """Draft, verify (`verify(nodes, last, base, sampler)` -> path, bonus, features), commit, until done."""
+        m = self.params.m
+        with timer("prefill"):
+            head = _Head(self.head, self.target.max_len)
+            head.append(prompt_ids[1:] + [first], captured, start=1)
+        output = [first]
         accepted, position_accepts, candidates = [], [0] * m, 0
         with timer("decode"):
             while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
@@ -124,8 +152,8 @@ class EAGLE3(Method):
                 with timer("drafter"):
                     nodes = self._draft(head, base, sampler)
                 with timer("verify"):
-                    path, bonus, features = self._verify(nodes, output[-1], base, sampler)
-                new = self._commit(output, [nodes[i].token for i in path] + [bonus], max_new_tokens)
+                    path, bonus, features = verify(nodes, output[-1], base, sampler)
+                new = commit(output, [nodes[i].token for i in path] + [bonus], max_new_tokens, self.stop_ids)
                 accepted.append(len(new))
                 candidates += len(nodes)
                 for k in range(min(len(path), len(new))):
@@ -139,19 +167,11 @@ class EAGLE3(Method):
             accepted=accepted,
             position_accepts=position_accepts,
             timing=timer.totals,
-            stats={"candidates": candidates,
-                   "draft": {"num_layers": target.num_layers, "ls": 1, "m": m, "width": self.params.width}},
+            stats={"candidates": candidates, "draft": self._shape()},
         )
 
-    def _commit(self, output: list[int], tokens: list[int], max_new_tokens: int) -> list[int]:
-        """Append tokens up to the budget and the first stop id; returns those appended."""
-        new = []
-        for token in tokens:
-            if len(output) >= max_new_tokens or output[-1] in self.stop_ids:
-                break
-            output.append(token)
-            new.append(token)
-        return new
+    def _shape(self) -> dict:
+        return {"num_layers": self.target.num_layers, "ls": 1, "m": self.params.m, "width": self.params.width}
 
     # --- drafting -------------------------------------------------------------------------------------------------
     def _draft(self, head: _Head, base: int, sampler: Sampler) -> list[Node]:

@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Timer, require_tree_attention
+from methods.pipeline_replay import fill_state_accepts, replay_cycles
 from methods.sampling import Sampler
 from methods.speculator import Speculator
+from methods.teacher import Teacher
 from methods.verify import accept_or_resample, verify_siblings
 
 
@@ -178,6 +181,17 @@ class PipelineEngine:
                 "pipeline": self.shape(),
             },
         )
+
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """Acceptance replayed on the trajectory from one teacher-forced target pass (methods/pipeline_replay.py)."""
+        if self.width > 1:
+            raise HarnessError("simulating pipeline draft trees needs target states of the branches off the "
+                               "trajectory; run width > 1 without --simulate")
+        teacher = Teacher.run(self.target, prompt_ids, trajectory, self.capture, sampler)
+        accepts = fill_state_accepts(self.speculator, teacher)
+        return replay_cycles(accepts, teacher, self.config.n, self.config.schedule, max_new_tokens, self.stop_ids,
+                             self.shape())
 
     def _cycle(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> None:
         """Draft (before or after the step, by schedule), advance every stage, verify if a token finished."""

@@ -59,3 +59,8 @@ class SPD(Method):
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         return self.engine.generate(prompt_ids, max_new_tokens, sampler)
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        return self.engine.simulate(prompt_ids, trajectory, max_new_tokens, sampler)
