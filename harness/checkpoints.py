@@ -60,7 +60,7 @@ def check_target(config: dict, identity) -> None:
         )
 
 
-def locate(identity, method: str, tag: str, checkpoint: str | None, train_command: str) -> tuple[Path, dict]:
+def locate(identity, method: str, tag: str, train_command: str, checkpoint: str | None) -> tuple[Path, dict]:
     """A drafter's folder and config: `checkpoint` if given, else the cache entry for (target, method, tag)."""
     folder = Path(checkpoint) if checkpoint else drafter_dir(identity, method, tag)
     if not (folder / CONFIG).exists():

@@ -69,6 +69,25 @@ device_option = click.option("--device", default="cpu", show_default=True, help=
 dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
                             help="Default: float32 on CPU, bfloat16 on CUDA.")
 data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
+simulate_option = click.option(
+    "--simulate", is_flag=True, help="Replay acceptance on the AR output from one teacher-forced pass instead of "
+                                     "executing (exact at T=0; expected acceptance at T>0; no timings).")
+
+
+def prompt_options(command):
+    """The prompts, lengths, seed and device options that `run` and `sweep` share."""
+    options = [
+        model_option,
+        click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True,
+                     callback=lambda c, p, v: _datasets(v), help="Comma-separated datasets."),
+        click.option("--max-new-tokens", type=int, default=128, show_default=True),
+        click.option("--limit", type=int, default=None, help="First N prompts per dataset."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        device_option, dtype_option, data_option, simulate_option,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 @main.command()
@@ -79,24 +98,16 @@ data_option = click.option("--data-dir", default=None, help="Folder with <datase
 @click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule (spd).")
 @click.option("--width", type=int, default=None, help="Draft width (1 = chain).")
 @click.option("--m", type=int, default=None, help="Draft depth per round (eagle3).")
-@model_option
-@click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True, callback=lambda c, p, v: _datasets(v),
-              help="Comma-separated datasets.")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--limit", type=int, default=None, help="First N prompts per dataset.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@device_option
-@dtype_option
-@data_option
+@prompt_options
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Results file (default results/<model>/<method>.jsonl).")
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
 @click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
 def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens, limit,
-        seed, device, dtype, data_dir, out, checkpoint, skip_missing):
+        seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.runner import RunConfig
     from harness.runner import run as run_config
@@ -106,16 +117,69 @@ def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, tempera
     config = RunConfig(
         method=method, params=params, model=model, datasets=datasets, temperature=temperature,
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
-        data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing,
+        data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
     )
     path = run_config(config)
     click.echo(f"results: {path}")
 
 
+def _values(text: str | None, kind=int) -> list:
+    if text is None:
+        return []
+    try:
+        return [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected a comma-separated list, got {text!r}") from None
+
+
+@main.command()
+@click.option("--preset", type=click.Choice(["paper"]), default=None,
+              help="paper: EAGLE-3 m 3/7/15, PPSD n 4/8/16, SPD n 4/8/16 x Ls 1-4 (+ output ablation), T 0/1, width 1/4.")
+@click.option("--method", "methods", default=None, help="Comma list of methods (instead of --preset).")
+@click.option("--n", "n_values", default=None, help="Comma list of pipeline stages.")
+@click.option("--ls", "ls_values", default=None, help="Comma list of drafter layers.")
+@click.option("--schedule", "schedules", default=None, help="Comma list: input, output.")
+@click.option("--m", "m_values", default=None, help="Comma list of EAGLE-3 draft depths.")
+@click.option("--ttt", "ttt_values", default=None, help="EAGLE-3 head(s) by training-time-test depth (default 7).")
+@click.option("--width", "widths", default="1", show_default=True, help="Comma list of draft widths.")
+@click.option("--temperature", "temperatures", default="0", show_default=True, help="Comma list of temperatures.")
+@prompt_options
+@click.option("--results", type=click.Path(path_type=Path), default=None,
+              help="Results root (default results/): records go to <root>/<model>/<method>.jsonl.")
+def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values, widths, temperatures, model, datasets,
+          max_new_tokens, limit, seed, device, dtype, data_dir, results, simulate):
+    """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
+    from harness.paper import paper_grid
+    from harness.runner import RunConfig
+    from harness.sweep import grid, sweep as run_sweep
+
+    if (preset is None) == (methods is None):
+        raise click.UsageError("pass either --preset paper or --method LIST")
+    if preset:
+        points = paper_grid()
+    else:
+        values = {"n": _values(n_values), "ls": _values(ls_values), "schedule": _values(schedules, str),
+                  "m": _values(m_values), "ttt": _values(ttt_values)}
+        points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths))
+    base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
+                     device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)
+    outcome = run_sweep(points, base, results)
+    ran = sum(1 for count in outcome.ran.values() if count)
+    click.echo(f"{len(outcome.ran)} of {len(points)} configurations complete ({ran} ran now); "
+               f"results: {', '.join(str(f) for f in sorted(outcome.files)) or 'none'}")
+    reasons: dict[str, list[str]] = {}
+    for skip in outcome.skipped:
+        reasons.setdefault(skip.reason, []).append(skip.point.label())
+    for reason, labels in reasons.items():
+        click.echo(f"skipped {len(labels)}: {reason}\n  " + "\n  ".join(labels))
+    if outcome.skipped:
+        raise SystemExit(1)
+
+
 @main.command()
 @click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
               help="Results file or folder.")
-@click.option("--format", "fmt", type=click.Choice(["markdown", "csv"]), default="markdown", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["markdown", "latex", "csv"]), default="markdown", show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
 def report(results, fmt, out):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""

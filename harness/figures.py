@@ -76,6 +76,73 @@ def speedups(summaries: list[Summary], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def _panels(summaries: list[Summary]) -> list[tuple[float, int]]:
+    return sorted({(s.temperature, int(s.params.get("width", 1))) for s in summaries})
+
+
+def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, t: float, w: int) -> tuple[list, list]:
+    """(x, theoretical speedup) along `axis` for one method at fixed parameters; executed runs before simulated."""
+    points: dict[int, tuple[bool, float]] = {}
+    for s in summaries:
+        own = {**s.params, "width": int(s.params.get("width", 1))}
+        if (s.method == method and s.temperature == t and own["width"] == w and axis in own
+                and s.theoretical_speedup is not None and all(own.get(k) == v for k, v in fixed.items())):
+            x = own[axis]
+            if x not in points or points[x][0] > s.simulated:
+                points[x] = (s.simulated, s.theoretical_speedup)
+    xs = sorted(points)
+    return xs, [points[x][1] for x in xs]
+
+
+def _grid_of_panels(panels: list, draw, xlabel: str, path: Path) -> Path | None:
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    drawn = False
+    for ax, (t, w) in zip(axes[0], panels):
+        drawn |= draw(ax, t, w)
+        ax.set_title(f"T={t:g}, width {w}")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("theoretical speedup")
+    if not drawn:
+        plt.close(fig)
+        return None
+    return _save(fig, path)
+
+
+def speedup_over_n(summaries: list[Summary], path: Path) -> Path | None:
+    """Theoretical speedup vs pipeline stages n: SPD per Ls and PPSD as lines, EAGLE-3 per m as flat references."""
+    def draw(ax, t, w) -> bool:
+        lines = [(f"SPD Ls={ls}", _series(summaries, "spd", {"ls": ls, "schedule": "input"}, "n", t, w))
+                 for ls in sorted({s.params.get("ls") for s in summaries if s.method == "spd"})]
+        lines.append(("PPSD", _series(summaries, "ppsd", {}, "n", t, w)))
+        for name, (xs, ys) in lines:
+            if xs:
+                ax.plot(xs, ys, marker="o", label=name)
+        xs, ys = _series(summaries, "eagle3", {}, "m", t, w)
+        for m, y in zip(xs, ys):
+            ax.axhline(y, linestyle="--", linewidth=1, color="gray")
+            ax.annotate(f"EAGLE-3 m={m}", (ax.get_xlim()[0], y), fontsize=7, va="bottom")
+        return bool(ax.lines)
+
+    return _grid_of_panels(_panels(summaries), draw, "pipeline stages n", path)
+
+
+def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
+    """SPD (input schedule) theoretical speedup vs drafter depth Ls, one line per n."""
+    def draw(ax, t, w) -> bool:
+        for n in sorted({s.params.get("n") for s in summaries if s.method == "spd"}):
+            xs, ys = _series(summaries, "spd", {"n": n, "schedule": "input"}, "ls", t, w)
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"SPD n={n}")
+        return bool(ax.lines)
+
+    return _grid_of_panels(_panels(summaries), draw, "drafter layers Ls", path)
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -42,6 +42,7 @@ class Summary:
     baseline_decode_s: float = 0.0
     pipeline: dict | None = None  # pipeline methods: layers, stages, Ls, schedule, width
     draft: dict | None = None  # draft-then-verify methods: layers, Ls, m, width
+    simulated: bool = False  # acceptance replayed on the AR output, not executed
 
     def add(self, row: dict) -> None:
         self.samples += 1
@@ -148,8 +149,8 @@ def summarize(rows: list[dict]) -> list[Summary]:
             key = (*_group(row), dataset)
             if key not in table:
                 table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset,
-                                     row["config_key"])
+                                     row["config_key"], simulated=bool(row.get("simulated")))
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
-    return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.temperature,
-                                                 order.get(s.dataset, s.dataset)))
+    return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.simulated,
+                                                 s.temperature, order.get(s.dataset, s.dataset)))

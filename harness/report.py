@@ -1,15 +1,23 @@
-"""Render pooled metrics as Markdown or CSV: the main table plus per-fill acceptance and lossless details."""
+"""The report: the paper's tables from pooled metrics, as Markdown, LaTeX or CSV.
+
+Tables (in order): main blocks per (T, width); scaling of SPD over n x Ls, EAGLE-3 over m, PPSD over n; the
+input/output schedule ablation; theoretical vs modeled vs wall-clock speedup; acceptance by fill level and draft
+position; the paper's reference values beside ours; losslessness; every configuration by dataset. Empty cells
+show "—" and the report ends with the commands that fill the paper grid's missing configurations.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.metrics import OVERALL, Summary
+from harness.paper import DATASETS, MEAN, REFERENCES, GridPoint, Reference, paper_grid
 
-COLUMNS = ("method", "params", "model", "T", "dataset", "samples", "new tokens", "steps", "tokens/step",
+COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
 
 NOTES = """\
@@ -19,10 +27,21 @@ EAGLE-3 tau*L/(Ls*m + L) (tokens/step excludes each sample's prefill token).
 modeled x: the same with measured stage / drafter / verification-head times (one device per stage).
 wall-clock x: decode tok/s over AR's, AR timed beside the method on the same prompts in the same run; a
 single-process pipeline runs its stages one after another, so this is below 1 by construction.
+(sim): acceptance replayed on the AR output from one teacher-forced pass (`--simulate`): exact at T=0, expected
+acceptance at T>0; no timings and no losslessness check of its own.
 lossless %: samples token-identical to greedy AR among those checked (T=0); T>0 is covered by distribution tests.
 """
 
 
+@dataclass
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+
+# --- cells -------------------------------------------------------------------------------------------------------
 def _params(params: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(params.items())) or "—"
 
@@ -31,103 +50,230 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _cells(s: Summary) -> list[str]:
-    lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
-    return [s.method, _params(s.params), s.model, f"{s.temperature:g}", s.dataset, str(s.samples), str(s.new_tokens),
-            str(s.steps), _num(s.tokens_per_step), _num(s.l_acc), _num(s.theoretical_speedup), _num(s.modeled_speedup),
-            _num(s.wall_clock_speedup), _num(s.tokens_per_second, 1), lossless]
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + [
-        "| " + " | ".join(r) + " |" for r in rows]
-
-
-def _acceptance_table(summaries: list[Summary], title: str, label: str) -> list[str]:
-    if not summaries:
-        return []
-    width = max(len(s.fill_drafts) for s in summaries)
-    header = ["method", "params", "T"] + [f"{label} {k}" for k in range(width)]
-    rows = [[s.method, _params(s.params), f"{s.temperature:g}"]
-            + [_num(a) for a in s.fill_acceptance] + ["—"] * (width - len(s.fill_drafts)) for s in summaries]
-    return [title, ""] + _table(header, rows) + [""]
-
-
 def _width(s: Summary) -> int:
     return int(s.params.get("width", 1))
 
 
 def _config(s: Summary) -> str:
     params = {k: v for k, v in s.params.items() if k != "width"}
-    return f"{s.method} {_params(params)}" if params else s.method
+    name = f"{s.method} {_params(params)}" if params else s.method
+    return name + (" (sim)" if s.simulated else "")
 
 
-def main_tables(summaries: list[Summary]) -> list[str]:
-    """One block per (T, width): configurations x datasets, cells 'tokens/step · L'acc · theoretical x'."""
-    datasets = sorted({s.dataset for s in summaries if s.dataset != OVERALL}) + [OVERALL]
-    lines = []
-    for temperature, width in sorted({(s.temperature, _width(s)) for s in summaries}):
-        block = [s for s in summaries if (s.temperature, _width(s)) == (temperature, width)]
-        by_config: dict[str, dict[str, Summary]] = {}
-        for s in block:
-            by_config.setdefault(_config(s), {})[s.dataset] = s
-        rows = [[config] + [_cell(cells.get(d)) for d in datasets] for config, cells in by_config.items()]
-        lines += [f"### T={temperature:g}, width {width}", ""] + _table(["config"] + datasets, rows) + [""]
-    return lines
-
-
-def _cell(s: Summary | None) -> str:
+def _triple(s: Summary | None) -> str:
     if s is None:
         return "—"
     return f"{_num(s.tokens_per_step)} · {_num(s.l_acc)} · {_num(s.theoretical_speedup)}x"
 
 
-def speedup_table(overall: list[Summary]) -> list[str]:
-    rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", _num(s.theoretical_speedup), _num(s.modeled_speedup),
-             _num(s.wall_clock_speedup), _num(s.tokens_per_second, 1)] for s in overall if s.method != "autoregressive"]
-    if not rows:
-        return []
-    return ["## Theoretical vs modeled multi-device vs measured wall-clock speedup", ""] + _table(
-        ["config", "width", "T", "theoretical x", "modeled x", "wall-clock x", "tok/s"], rows) + [""]
+def _mean_triple(cells: list[Summary]) -> str:
+    """Mean over the datasets present of each number in the cell (all three are linear in tokens/step)."""
+    def mean(attr):
+        values = [getattr(s, attr) for s in cells if getattr(s, attr) is not None]
+        return sum(values) / len(values) if values else None
+    if not cells:
+        return "—"
+    return f"{_num(mean('tokens_per_step'))} · {_num(mean('l_acc'))} · {_num(mean('theoretical_speedup'))}x"
 
 
-def ablation_table(overall: list[Summary]) -> list[str]:
+def _matches(s: Summary, method: str, params: dict, temperature: float) -> bool:
+    own = {**s.params, "width": _width(s)}
+    return s.method == method and s.temperature == temperature and all(own.get(k) == v for k, v in params.items())
+
+
+def _find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL
+          ) -> Summary | None:
+    """The matching summary, executed runs before simulated ones."""
+    found = [s for s in summaries if s.dataset == dataset and _matches(s, method, params, temperature)]
+    return min(found, key=lambda s: s.simulated) if found else None
+
+
+def _blocks(summaries: list[Summary]) -> list[tuple[float, int]]:
+    return sorted({(s.temperature, _width(s)) for s in summaries if s.method != "autoregressive"})
+
+
+# --- tables ------------------------------------------------------------------------------------------------------
+def main_tables(summaries: list[Summary]) -> list[Table]:
+    """One block per (T, width): configurations x datasets and their mean."""
+    tables = []
+    for temperature, width in _blocks(summaries):
+        by_config: dict[str, dict[str, Summary]] = {}
+        for s in summaries:
+            if (s.temperature, _width(s)) == (temperature, width) and s.method != "autoregressive":
+                by_config.setdefault(_config(s), {})[s.dataset] = s
+        rows = [[config] + [_triple(cells.get(d)) for d in DATASETS]
+                + [_mean_triple([cells[d] for d in DATASETS if d in cells])] for config, cells in by_config.items()]
+        tables.append(Table(f"T={temperature:g}, width {width}", ["config", *DATASETS, MEAN], rows,
+                            "cells: tokens/step (alpha or tau) · L'acc · theoretical speedup"))
+    return tables
+
+
+def scaling_tables(summaries: list[Summary]) -> list[Table]:
+    """SPD over n x Ls, EAGLE-3 over m, PPSD over n, per (T, width), on the paper's axes ("—": not run)."""
+    tables = []
+    for t, w in _blocks(summaries):
+        spd = [[f"n={n}"] + [_triple(_find(summaries, "spd", {"n": n, "ls": ls, "schedule": "input", "width": w}, t))
+                             for ls in (1, 2, 3, 4)] for n in (4, 8, 16)]
+        eagle = [[f"m={m}", _triple(_find(summaries, "eagle3", {"m": m, "width": w}, t))] for m in (3, 7, 15)]
+        ppsd = [[f"n={n}", _triple(_find(summaries, "ppsd", {"n": n, "width": w}, t))] for n in (4, 8, 16)]
+        for title, header, rows in (("SPD (input schedule) over n and Ls", ["", "Ls=1", "Ls=2", "Ls=3", "Ls=4"], spd),
+                                    ("EAGLE-3 over m", ["", "all datasets"], eagle),
+                                    ("PPSD over n", ["", "all datasets"], ppsd)):
+            if any(cell != "—" for row in rows for cell in row[1:]):
+                tables.append(Table(f"{title}, T={t:g}, width {w}", header, rows,
+                                    "cells: tokens/step · L'acc · theoretical speedup, pooled over datasets"))
+    return tables
+
+
+def ablation_table(overall: list[Summary]) -> list[Table]:
     """Input vs output schedule for pipeline configurations that have both."""
     pairs: dict[tuple, dict[str, Summary]] = {}
     for s in overall:
         if s.pipeline is not None:
-            key = (s.method, s.params.get("n"), s.params.get("ls"), _width(s), s.temperature)
+            key = (s.method, s.params.get("n"), s.params.get("ls"), _width(s), s.temperature, s.simulated)
             pairs.setdefault(key, {})[s.pipeline["schedule"]] = s
-    rows = [[f"{m} n={n} ls={ls}", str(w), f"{t:g}", _num(p["input"].tokens_per_step), _num(p["output"].tokens_per_step),
-             _num(p["input"].theoretical_speedup), _num(p["output"].theoretical_speedup)]
-            for (m, n, ls, w, t), p in sorted(pairs.items(), key=str) if len(p) == 2]
+    rows = [[f"{m} n={n} ls={ls}" + (" (sim)" if sim else ""), str(w), f"{t:g}", _num(p["input"].tokens_per_step),
+             _num(p["output"].tokens_per_step), _num(p["input"].theoretical_speedup),
+             _num(p["output"].theoretical_speedup)]
+            for (m, n, ls, w, t, sim), p in sorted(pairs.items(), key=str) if len(p) == 2]
     if not rows:
         return []
-    return ["## Schedule ablation: input vs output state", ""] + _table(
-        ["config", "width", "T", "alpha input", "alpha output", "theoretical x input", "theoretical x output"],
-        rows) + [""]
+    return [Table("Schedule ablation: input vs output state",
+                  ["config", "width", "T", "alpha input", "alpha output", "theoretical x input", "theoretical x output"],
+                  rows)]
+
+
+def speedup_table(overall: list[Summary]) -> list[Table]:
+    rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", _num(s.theoretical_speedup), _num(s.modeled_speedup),
+             _num(s.wall_clock_speedup), _num(s.tokens_per_second, 1)]
+            for s in overall if s.method != "autoregressive" and not s.simulated]
+    if not rows:
+        return []
+    return [Table("Theoretical vs modeled multi-device vs measured wall-clock speedup",
+                  ["config", "width", "T", "theoretical x", "modeled x", "wall-clock x", "tok/s"], rows)]
+
+
+def acceptance_tables(overall: list[Summary]) -> list[Table]:
+    tables = []
+    for kind, title, label in (("pipeline", "Draft acceptance by pipeline fill level (fill k: k + 1 tokens in flight)",
+                                "fill"),
+                               ("draft", "Acceptance by draft position (share of rounds that accepted position k)",
+                                "pos")):
+        shown = [s for s in overall if getattr(s, kind) and s.fill_drafts]
+        if shown:
+            size = max(len(s.fill_drafts) for s in shown)
+            rows = [[_config(s), str(_width(s)), f"{s.temperature:g}"] + [_num(a) for a in s.fill_acceptance]
+                    + ["—"] * (size - len(s.fill_drafts)) for s in shown]
+            tables.append(Table(title, ["config", "width", "T"] + [f"{label} {k}" for k in range(size)], rows))
+    return tables
+
+
+def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> float | None:
+    candidates = [s for s in summaries if s.model == model]
+    if ref.dataset == MEAN:
+        cells = [_find(candidates, ref.method, ref.params, ref.temperature, d) for d in DATASETS]
+        values = [getattr(c, ref.metric) for c in cells if c is not None]
+        return sum(values) / len(values) if len(values) == len(DATASETS) and None not in values else None
+    found = _find(candidates, ref.method, ref.params, ref.temperature, ref.dataset)
+    return None if found is None else getattr(found, ref.metric)
+
+
+def reference_table(summaries: list[Summary]) -> list[Table]:
+    """The paper's numbers beside ours for every model whose name matches the paper's."""
+    rows = []
+    models = sorted({s.model for s in summaries})
+    for ref in REFERENCES:
+        matching = [m for m in models if ref.matches_model(m)]
+        ours = [(m, _reference_value(summaries, m, ref)) for m in matching] or [("—", None)]
+        for model, value in ours:
+            rows.append([ref.model, f"{ref.method} {_params(ref.params)}", f"{ref.temperature:g}", ref.dataset,
+                         ref.metric.replace("_", " "), f"{ref.value:.2f}", model, _num(value), ref.source])
+    return [Table("The paper's reference values beside ours",
+                  ["paper model", "config", "T", "dataset", "metric", "paper", "our model", "ours", "source"], rows,
+                  "paper: published numbers (not measured here); ours: this harness on a model whose name matches "
+                  "(fill with `spd-bench sweep --preset paper --model <local Qwen3.5-4B folder>` on a GPU)")]
+
+
+def lossless_table(overall: list[Summary]) -> list[Table]:
+    rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", str(s.checked), str(s.identical),
+             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall]
+    return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences"], rows)]
+
+
+def detail_table(summaries: list[Summary]) -> Table:
+    return Table("All configurations by dataset", list(COLUMNS), [_cells(s) for s in summaries])
+
+
+def _cells(s: Summary) -> list[str]:
+    lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
+    return [s.method, _params(s.params), s.model, f"{s.temperature:g}", s.dataset, "yes" if s.simulated else "no",
+            str(s.samples), str(s.new_tokens), str(s.steps), _num(s.tokens_per_step), _num(s.l_acc),
+            _num(s.theoretical_speedup), _num(s.modeled_speedup), _num(s.wall_clock_speedup),
+            _num(s.tokens_per_second, 1), lossless]
+
+
+def missing_points(summaries: list[Summary]) -> list[GridPoint]:
+    """Points of the paper grid with no record for any model in these results."""
+    return [p for p in paper_grid() if _find(summaries, p.method, p.param_dict, p.temperature) is None]
+
+
+def tables(summaries: list[Summary]) -> list[Table]:
+    overall = [s for s in summaries if s.dataset == OVERALL]
+    return (main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall) + speedup_table(overall)
+            + acceptance_tables(overall) + reference_table(summaries) + lossless_table(overall)
+            + [detail_table(summaries)])
+
+
+# --- renderers ---------------------------------------------------------------------------------------------------
+def _markdown_table(table: Table) -> list[str]:
+    lines = [f"## {table.title}", ""]
+    if table.note:
+        lines += [table.note, ""]
+    lines += ["| " + " | ".join(table.header) + " |", "|" + "|".join("---" for _ in table.header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in table.rows] + [""]
+
+
+def _fill_commands(summaries: list[Summary]) -> list[str]:
+    missing = missing_points(summaries)
+    if not missing:
+        return []
+    return (["## Filling the empty cells", "",
+             f"{len(missing)} configurations of the paper's grid have no record yet. All of them, resumably "
+             "(missing drafters are listed with their train commands; add `--simulate` for acceptance only):", "",
+             "    spd-bench sweep --preset paper", "", "or one at a time:", ""]
+            + [f"    {p.run_command()}" for p in missing] + [""])
 
 
 def markdown(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
-    overall = [s for s in summaries if s.dataset == OVERALL]
-    lines = ["## Results", "", "Cells: tokens/step (alpha or tau) · L'acc · theoretical speedup.", ""]
-    lines += main_tables(summaries) + speedup_table(overall) + ablation_table(overall)
-    lines += _acceptance_table([s for s in overall if s.pipeline and s.fill_drafts],
-                               "## Draft acceptance by pipeline fill level (fill k: drafted with k + 1 tokens in flight)",
-                               "fill")
-    lines += _acceptance_table([s for s in overall if s.draft and s.fill_drafts],
-                               "## Acceptance by draft position (share of rounds that accepted position k)", "pos")
+    lines = ["# Results", ""]
+    for table in tables(summaries):
+        lines += _markdown_table(table)
     for title, path in (figures or {}).items():
         lines += [f"![{title}]({path})", ""]
-    lines += ["## Losslessness", ""]
-    rows = [[s.method, _params(s.params), f"{s.temperature:g}", str(s.checked), str(s.identical),
-             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall]
-    lines += _table(["method", "params", "T", "checked", "identical", "first divergences"], rows)
-    lines += ["", "## All configurations by dataset", ""] + _table(list(COLUMNS), [_cells(s) for s in summaries])
-    return "\n".join(lines + ["", NOTES])
+    return "\n".join(lines + _fill_commands(summaries) + [NOTES])
 
 
-def csv_text(summaries: list[Summary]) -> str:
+def _latex_escape(text: str) -> str:
+    for raw, escaped in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
+                         ("·", r"$\cdot$"), ("—", "--"), ("'", "'")):
+        text = text.replace(raw, escaped)
+    return text
+
+
+def latex(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
+    """Every table as a booktabs tabular in a table float, ready to \\input into a paper."""
+    out = ["% generated by spd-bench report --format latex; needs \\usepackage{booktabs}"]
+    for table in tables(summaries):
+        out += [r"\begin{table}[t]", r"\centering", r"\small",
+                rf"\caption{{{_latex_escape(table.title)}" + (f". {_latex_escape(table.note)}" if table.note else "")
+                + "}", rf"\begin{{tabular}}{{l{'r' * (len(table.header) - 1)}}}", r"\toprule",
+                " & ".join(_latex_escape(h) for h in table.header) + r" \\", r"\midrule"]
+        out += [" & ".join(_latex_escape(cell) for cell in row) + r" \\" for row in table.rows]
+        out += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
+    return "\n".join(out)
+
+
+def csv_text(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(COLUMNS)
@@ -138,7 +284,7 @@ def csv_text(summaries: list[Summary]) -> str:
     return buffer.getvalue()
 
 
-RENDERERS = {"markdown": markdown, "csv": csv_text}
+RENDERERS = {"markdown": markdown, "latex": latex, "csv": csv_text}
 
 
 def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, relative_to: Path) -> dict[str, str]:
@@ -147,6 +293,8 @@ def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, rel
 
     overall = [s for s in summaries if s.dataset == OVERALL]
     made = {
+        "Theoretical speedup vs n": figures.speedup_over_n(overall, folder / "speedup_over_n.png"),
+        "SPD over Ls": figures.spd_over_ls(overall, folder / "spd_over_ls.png"),
         "Acceptance by fill level / draft position": figures.acceptance(overall, folder / "acceptance.png"),
         "Tokens committed per step (T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
         "Speedups per configuration": figures.speedups(overall, folder / "speedups.png"),

@@ -57,6 +57,7 @@ class Record:
     lossless: dict
     config_key: str
     versions: dict
+    simulated: bool = False  # acceptance replayed on the AR output (no timing, no losslessness check)
     stats: dict = field(default_factory=dict)
     baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
 

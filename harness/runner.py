@@ -43,6 +43,7 @@ class RunConfig:
     checkpoint: str | None = None
     skip_missing: bool = False
     baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
+    simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
 
     @property
     def dtype_name(self) -> str:
@@ -62,6 +63,8 @@ def validate(config: RunConfig) -> None:
         config.sampling()
     except (ValueError, TypeError) as exc:
         raise HarnessError(f"{exc}; fix the option") from None
+    if config.simulate and REGISTRY[config.method].simulate is Method.simulate:
+        raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
     if config.limit is not None and config.limit < 1:
         raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
     if config.max_new_tokens < 1:
@@ -116,6 +119,7 @@ class Runner:
             "seed": config.seed,
             "dtype": config.dtype_name,
             "device": loaded.device.type,
+            **({"simulated": True} if config.simulate else {}),
         }
         self.key = config_key(spec)
         self.references = ReferenceCache(loaded.identity, config.dtype_name, loaded.device.type)
@@ -127,32 +131,56 @@ class Runner:
             self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity)
         return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
 
-    def run(self, samples: list[Sample], store: ResultStore) -> int:
+    def todo(self, samples: list[Sample], store: ResultStore) -> list[Sample]:
+        """Samples of this configuration not yet in the store (a resumed run skips the rest)."""
         finished = store.finished()
-        todo = [s for s in samples if (self.key, s.dataset, str(s.question_id)) not in finished]
+        return [s for s in samples if (self.key, s.dataset, str(s.question_id)) not in finished]
+
+    def run(self, samples: list[Sample], store: ResultStore, bar: tqdm | None = None) -> int:
+        """Run every unfinished sample; `bar` (a sweep's overall bar) replaces the per-run one."""
+        todo = self.todo(samples, store)
         if not todo:
             return 0
         prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
         method = self._method(self.config.method, self.config.params, prompts)
         reference = self._method(REFERENCE_METHOD, {}, prompts)
         with torch.inference_mode():
-            for warm in (method, reference):  # first calls pay one-off allocation costs; keep them out of timings
-                warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
-            self._loop(todo, prompts, method, reference, store)
+            if not self.config.simulate:
+                for warm in (method, reference):  # first calls pay one-off allocation costs; keep them out of timings
+                    warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
+            self._loop(todo, prompts, method, reference, store, bar)
         return len(todo)
 
-    def _loop(self, todo, prompts, method, reference, store) -> None:
-        bar = tqdm(total=len(todo), desc=f"{self.config.method}", unit="sample", dynamic_ncols=True)
+    def _loop(self, todo, prompts, method, reference, store, bar) -> None:
+        desc = f"{self.config.method}{' (simulated)' if self.config.simulate else ''}"
+        own_bar = bar is None
+        if own_bar:
+            bar = tqdm(total=len(todo), desc=desc, unit="sample", dynamic_ncols=True)
         tokens, seconds = 0, 0.0
         for index, (sample, prompt) in enumerate(zip(todo, prompts)):
-            generation, baseline = self._generate_pair(method, reference, prompt, sample, method_first=index % 2 == 0)
-            lossless = self._check(prompt, generation.output_ids, reference, baseline)
+            if self.config.simulate:
+                generation, baseline = self._simulate(method, reference, prompt, sample), None
+                lossless = not_checked("simulated: acceptance replayed on the AR output")
+            else:
+                generation, baseline = self._generate_pair(method, reference, prompt, sample, index % 2 == 0)
+                lossless = self._check(prompt, generation.output_ids, reference, baseline)
             store.append(self._record(sample, prompt, generation, lossless, baseline))
             tokens += len(generation.output_ids)
             seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
-            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}", lossless=_flag(lossless))
+            bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—", lossless=_flag(lossless))
             bar.update()
-        bar.close()
+        if own_bar:
+            bar.close()
+
+    def _simulate(self, method, reference, prompt, sample):
+        """The method's acceptance replayed on the AR output for this prompt and seed (greedy: the cached one)."""
+        seed = sample_seed(self.config.seed, sample)
+        trajectory = self.references.get(prompt, self.config.max_new_tokens) if self.sampling.greedy else None
+        if trajectory is None:
+            trajectory = reference.generate(prompt, self.config.max_new_tokens, self._sampler(seed)).output_ids
+            if self.sampling.greedy:
+                self.references.put(prompt, self.config.max_new_tokens, trajectory)
+        return method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
 
     def _generate_pair(self, method, reference, prompt, sample, method_first: bool):
         """The method and, unless it is AR itself, AR on the same prompt and seed, in alternating order."""
@@ -210,9 +238,10 @@ class Runner:
             steps=generation.steps,
             accepted=generation.accepted,
             position_accepts=generation.position_accepts,
-            timing={k: round(v, 6) for k, v in generation.timing.items()},
+            timing={} if c.simulate else {k: round(v, 6) for k, v in generation.timing.items()},
             lossless=lossless,
             config_key=self.key,
+            simulated=c.simulate,
             versions=versions(),
             stats={**generation.stats, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
             baseline=None if baseline is None else {

@@ -63,6 +63,11 @@ class Method(ABC):
         self.stop_ids = stop_ids
         self.checkpoint = checkpoint
 
+    @classmethod
+    def drafter(cls, params) -> tuple[str, str] | None:
+        """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter."""
+        return None
+
     @abstractmethod
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""

@@ -36,8 +36,7 @@ class EagleParams:
 
 
 def load_head(target: TargetRuntime, params: EagleParams, checkpoint: str | None) -> EagleHead:
-    folder, saved = checkpoints.locate(target.identity, "eagle3", params.tag, checkpoint,
-                                       f"spd-bench train --method eagle3 --m {params.ttt}")
+    folder, saved = checkpoints.locate(target.identity, "eagle3", *EAGLE3.drafter(params), checkpoint)
     weights = checkpoints.load_weights(folder)
     head = EagleHead(EagleConfig(**saved["eagle"]), target, draft_ids=weights.get("draft_ids"))
     head.load_state_dict(weights)
@@ -103,6 +102,10 @@ def tree_mask(nodes: list[Node], rows: list[int], prefix: int, first_slot: int, 
 class EAGLE3(Method):
     name = "eagle3"
     Params = EagleParams
+
+    @classmethod
+    def drafter(cls, params: EagleParams) -> tuple[str, str]:
+        return params.tag, f"spd-bench train --method eagle3 --m {params.ttt}"
 
     def __init__(self, target, params: EagleParams, stop_ids, checkpoint=None, head: EagleHead | None = None):
         super().__init__(target, params, stop_ids, checkpoint)

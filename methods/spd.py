@@ -22,8 +22,8 @@ class PipelineParams:
     width: int = 1
 
     def __post_init__(self):
-        if self.width < 1:
-            raise ValueError(f"draft width must be >= 1, got {self.width}")
+        if self.width < 1 or self.n < 1:
+            raise ValueError(f"draft width and n must be >= 1, got width={self.width}, n={self.n}")
         SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule)  # validates schedule and ls
 
     @property
@@ -31,11 +31,14 @@ class PipelineParams:
         return f"n{self.n}-ls{self.ls}-{self.schedule}"
 
 
+def pipeline_drafter(method: str, params: PipelineParams) -> tuple[str, str]:
+    """Checkpoint tag and train command of a pipeline drafter."""
+    return params.tag, f"spd-bench train --method {method} --n {params.n} --ls {params.ls} --schedule {params.schedule}"
+
+
 def load_speculator(target, method: str, policy: str, params: PipelineParams, checkpoint: str | None) -> Speculator:
     """The trained drafter for (target, method, n, Ls, schedule): from --checkpoint or the cache."""
-    folder, saved = checkpoints.locate(
-        target.identity, method, params.tag, checkpoint,
-        f"spd-bench train --method {method} --n {params.n} --ls {params.ls} --schedule {params.schedule}")
+    folder, saved = checkpoints.locate(target.identity, method, *pipeline_drafter(method, params), checkpoint)
     config = SpeculatorConfig(**saved["speculator"])
     if (config.n, config.ls, config.schedule, config.policy) != (params.n, params.ls, params.schedule, policy):
         raise HarnessError(f"checkpoint {folder} is for {config.to_dict()}, not {params.tag} ({policy})")
@@ -50,6 +53,10 @@ class SPD(Method):
     name = "spd"
     Params = PipelineParams
     policy = "multi_depth"
+
+    @classmethod
+    def drafter(cls, params: PipelineParams) -> tuple[str, str]:
+        return pipeline_drafter(cls.name, params)
 
     def __init__(self, target, params: PipelineParams, stop_ids, checkpoint=None, speculator: Speculator | None = None):
         super().__init__(target, params, stop_ids, checkpoint)

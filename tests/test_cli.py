@@ -76,9 +76,12 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
          "--data-dir", str(eval_dir), "--out", str(out))
     code, markdown = _run("report", "--results", str(out))
     assert code == 0
-    assert "| autoregressive | — | " in markdown and "| gsm8k | 2 | 10 |" in markdown and "| overall | 2 | 10 |" in markdown
+    assert "| autoregressive | — | " in markdown and "| gsm8k | no | 2 | 10 |" in markdown
+    assert "| overall | no | 2 | 10 |" in markdown
     code, csv_text = _run("report", "--results", str(out), "--format", "csv")
-    assert code == 0 and csv_text.splitlines()[0].startswith("method,params,model,T,dataset")
+    assert code == 0 and csv_text.splitlines()[0].startswith("method,params,model,T,dataset,simulated")
+    code, latex = _run("report", "--results", str(out), "--format", "latex")
+    assert code == 0 and r"\begin{tabular}" in latex and r"autoregressive & --" in latex
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,18 @@
 """The rendered report: per-(T, width) blocks, the schedule ablation, speedups side by side, and figures."""
 
 from harness.metrics import summarize
-from harness.report import markdown, render_figures
+from harness.report import latex, markdown, render_figures, tables
 
 
-def _row(method, params, dataset, schedule=None, draft=None, temperature=0.0):
+def _row(method, params, dataset, schedule=None, draft=None, temperature=0.0, model="m", simulated=False):
     stats = {"fill_drafts": [4, 4]} if schedule else {}
     if schedule:
         stats["pipeline"] = {"num_layers": 30, "n": params["n"], "largest_stage": 4, "ls": 4, "schedule": schedule}
     if draft:
         stats["draft"] = draft
     return {
-        "config_key": f"{method}{sorted(params.items())}{temperature}", "method": method, "params": params,
-        "model": {"name": "m"}, "temperature": temperature, "dataset": dataset, "question_id": 0, "new_tokens": 11,
+        "config_key": f"{method}{sorted(params.items())}{temperature}{model}{simulated}", "method": method,
+        "params": params, "model": {"name": model}, "simulated": simulated, "temperature": temperature, "dataset": dataset, "question_id": 0, "new_tokens": 11,
         "steps": 8, "accepted": [0, 1, 2, 1, 0, 3, 2, 1], "position_accepts": [2, 1],
         "timing": {"decode": 1.0, "stages": 0.5, "drafter": 0.2, "verify_head": 0.1},
         "lossless": {"checked": True, "identical": True}, "baseline": {"new_tokens": 11, "timing": {"decode": 2.0}},
@@ -29,11 +29,35 @@ def test_report_blocks_ablation_speedups_and_figures(tmp_path):
                          draft={"num_layers": 30, "ls": 1, "m": 3, "width": 4}))
     summaries = summarize(rows)
     figures = render_figures(summaries, rows, tmp_path / "figures", relative_to=tmp_path)
-    assert set(figures.values()) == {"figures/acceptance.png", "figures/accepted_lengths.png", "figures/speedups.png"}
+    assert set(figures.values()) == {"figures/acceptance.png", "figures/accepted_lengths.png", "figures/speedups.png",
+                                     "figures/speedup_over_n.png", "figures/spd_over_ls.png"}
     assert all((tmp_path / p).stat().st_size > 1000 for p in figures.values())
     text = markdown(summaries, figures)
-    assert "### T=0, width 1" in text and "### T=0, width 4" in text
-    # alpha = 10 tokens after the prefill one / 8 cycles; theoretical x input 1.25 * 30 / 4, output 1.25 * 30 / 8
-    assert "| spd ls=4 n=8 schedule=input | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x |" in text
+    assert "## T=0, width 1" in text and "## T=0, width 4" in text
+    # alpha = 10 tokens after the prefill one / 8 cycles; theoretical x input 1.25 * 30 / 4, output 1.25 * 30 / 8;
+    # no humaneval records: "—", and the mean is over the datasets present
+    assert "| spd ls=4 n=8 schedule=input | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x | — | 1.25 · 9.38 · 9.38x |" in text
     assert "| spd n=8 ls=4 | 1 | 0 | 1.25 | 1.25 | 9.38 | 4.69 |" in text  # the ablation row
     assert "![Speedups per configuration](figures/speedups.png)" in text
+
+
+def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells():
+    rows = [_row("spd", {"n": n, "ls": ls, "schedule": "input", "width": 4}, d, "input", temperature=1.0,
+                 model="Qwen3.5-4B") for n, ls in ((8, 4), (4, 4), (8, 2)) for d in ("mt_bench", "gsm8k", "humaneval")]
+    rows.append(_row("eagle3", {"m": 15, "width": 1, "ttt": 7}, "gsm8k", draft={"num_layers": 30, "ls": 1, "m": 15,
+                                                                                "width": 1}, simulated=True))
+    summaries = summarize(rows)
+    text = markdown(summaries)
+    assert "## SPD (input schedule) over n and Ls, T=1, width 4" in text
+    assert "| n=8 | — | 1.25 · 9.38 · 9.38x | — | 1.25 · 9.38 · 9.38x |" in text
+    assert "| n=16 | — | — | — | — |" in text
+    assert "| m=15 | 1.25 · — · 0.83x |" in text  # tau * 30 / (15 + 30), from the simulated run
+    assert "eagle3 m=15 ttt=7 (sim)" in text
+    # SPD n=8 Ls=4 W=4 T=1 on a model named like the paper's: L'acc 9.38 (the mean over the three datasets) vs 3.43
+    assert "| Qwen3.5-4B | spd ls=4 n=8 schedule=input width=4 | 1 | mean | l acc | 3.43 | Qwen3.5-4B | 9.38 |" in text
+    assert "spd-bench sweep --preset paper" in text
+    assert "    spd-bench run --method spd --ls 1 --n 4 --schedule input --width 1 --temperature 0" in text
+    assert "spd-bench run --method spd --ls 4 --n 8 --schedule input --width 4 --temperature 1" not in text
+    tex = latex(summaries)
+    assert tex.count(r"\begin{tabular}") == len(tables(summaries))
+    assert r"1.25 $\cdot$ 9.38 $\cdot$ 9.38x" in tex and r"mt\_bench" in tex

@@ -85,6 +85,28 @@ def test_one_teacher_pass_trains_spd_and_eagle3_heads_that_then_decode(tiny_dir,
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         assert all(r["lossless"]["identical"] for r in rows)
         assert rows[0]["stats"]["draft"] == {"num_layers": 4, "ls": 1, "m": 2, "width": int(width)}
+    _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path)
+
+
+def _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path):
+    """A simulated sweep over the drafters just trained: the same accepted counts as the executed runs (T=0),
+    resumable, and the point without a drafter listed with its train command (exit 1)."""
+    sweep = ["sweep", "--method", "ppsd,eagle3", "--n", "2,3", "--m", "2", "--ttt", "3", "--width", "1,4",
+             "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "10",
+             "--data-dir", str(eval_dir), "--results", str(tmp_path / "sweep"), "--simulate"]
+    result = CliRunner().invoke(main, sweep)
+    assert result.exit_code == 1, result.output
+    assert "no drafter; train it with: spd-bench train --method ppsd --n 3 --ls 1 --schedule output" in result.output
+    assert "simulating pipeline draft trees" in result.output  # ppsd width 4 cannot be simulated
+    assert "3 of 6 configurations complete (3 ran now)" in result.output
+    simulated = [json.loads(line) for f in (tmp_path / "sweep").rglob("eagle3.jsonl") for line in f.open()]
+    assert len(simulated) == 4 and all(r["simulated"] and not r["lossless"]["checked"] for r in simulated)
+    for width in ("1", "4"):
+        executed = [json.loads(line) for line in (tmp_path / f"eagle3-{width}.jsonl").open()]
+        replayed = [r for r in simulated if r["params"]["width"] == int(width)]
+        assert [r["accepted"] for r in replayed] == [r["accepted"] for r in executed]
+    again = CliRunner().invoke(main, sweep)
+    assert "(0 ran now)" in again.output
 
 
 @pytest.mark.parametrize("kind", ["spd", "eagle3"])

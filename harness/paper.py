@@ -1,0 +1,106 @@
+"""The paper's evaluation grid (`spd-bench sweep --preset paper`) and its published reference numbers, which the
+report prints beside ours wherever model and configuration match."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DATASETS = ("mt_bench", "gsm8k", "humaneval")
+MEAN = "mean"
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One run configuration of a sweep: a method, its parameters and a temperature."""
+
+    method: str
+    params: tuple[tuple[str, object], ...]  # sorted (name, value) pairs, hashable
+    temperature: float
+
+    @classmethod
+    def of(cls, method: str, temperature: float, **params) -> GridPoint:
+        return cls(method, tuple(sorted(params.items())), float(temperature))
+
+    @property
+    def param_dict(self) -> dict:
+        return dict(self.params)
+
+    def label(self) -> str:
+        params = " ".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.method} {params} T={self.temperature:g}".replace("  ", " ")
+
+    def run_command(self) -> str:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.params)
+        return f"spd-bench run --method {self.method} {flags} --temperature {self.temperature:g}"
+
+
+def paper_grid() -> list[GridPoint]:
+    """EAGLE-3 m in {3, 7, 15}; PPSD n in {4, 8, 16}; SPD n in {4, 8, 16} x Ls in {1..4} (input schedule) plus the
+    output-state ablation at n=16, Ls=4; each at T in {0, 1} and draft width in {1, 4}."""
+    configs = [("eagle3", {"m": m}) for m in (3, 7, 15)]
+    configs += [("ppsd", {"n": n, "ls": 1, "schedule": "output"}) for n in (4, 8, 16)]
+    configs += [("spd", {"n": n, "ls": ls, "schedule": "input"}) for n in (4, 8, 16) for ls in (1, 2, 3, 4)]
+    configs += [("spd", {"n": 16, "ls": 4, "schedule": "output"})]
+    return [GridPoint.of(method, t, **params, width=w) for t in (0, 1) for w in (1, 4) for method, params in configs]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A number the paper reports, for a model, configuration, dataset (or the mean over the three) and metric."""
+
+    model: str  # matched against our model's name, ignoring case and punctuation
+    method: str
+    params: dict = field(hash=False)
+    temperature: float
+    dataset: str
+    metric: str  # a Summary property: l_acc, theoretical_speedup, wall_clock_speedup
+    value: float
+    source: str
+
+    def matches_model(self, name: str) -> bool:
+        return _norm(self.model) in _norm(name)
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def _ref(model, method, params, t, dataset, metric, value, source) -> Reference:
+    return Reference(model, method, params, t, dataset, metric, value, source)
+
+
+MAIN = "paper, main table (4B, mean of MT-Bench/GSM8K/HumanEval)"
+REPO = "paper's reference code v11 (T=0 overall; wall-clock on n+1 GPUs vs one-GPU AR)"
+REFERENCES = (
+    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "l_acc", 3.43, MAIN),
+    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 1, MEAN, "theoretical_speedup", 2.79, MAIN),
+    _ref("Qwen3.5-4B", "ppsd", {"n": 8, "ls": 1, "schedule": "output", "width": 4}, 1, MEAN, "theoretical_speedup", 1.67,
+         MAIN),
+    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 0, MEAN, "theoretical_speedup", 3.61, MAIN),
+    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 0, MEAN, "l_acc", 2.91, MAIN),
+    _ref("Qwen3.5-9B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, "humaneval", "l_acc", 5.97,
+         "paper, 9B HumanEval"),
+    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, MEAN, "theoretical_speedup", 2.72, "paper, EAGLE-3 over m"),
+    _ref("Qwen3.5-4B", "eagle3", {"m": 15, "width": 1}, 0, MEAN, "theoretical_speedup", 2.39, "paper, EAGLE-3 over m"),
+    _ref("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "output", "width": 4}, 1, MEAN, "l_acc", 4.78,
+         "paper, ablation (raw acceptance)"),
+    _ref("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "output", "width": 4}, 1, MEAN, "theoretical_speedup", 2.39,
+         "paper, ablation"),
+    _ref("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "theoretical_speedup", 3.44,
+         "paper, ablation"),
+    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1}, 0, "overall", "theoretical_speedup",
+         3.39, REPO),
+    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1}, 0, "overall", "wall_clock_speedup",
+         2.53, REPO),
+    _ref("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1}, 0, "overall", "theoretical_speedup",
+         2.64, REPO),
+    _ref("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1}, 0, "overall", "wall_clock_speedup",
+         2.27, REPO),
+    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "theoretical_speedup", 2.72, REPO),
+    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "wall_clock_speedup", 1.97, REPO),
+    _ref("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1}, 0, "overall",
+         "theoretical_speedup", 1.54, REPO),
+    _ref("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1}, 0, "overall",
+         "wall_clock_speedup", 1.28, REPO),
+)
