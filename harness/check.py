@@ -1,8 +1,10 @@
 """Regression check: pooled acceptance and losslessness of recorded results against a committed baseline.
 
 A baseline is a JSON list with one entry per configuration (overall over its datasets): its config key, a label,
-tokens/step and the sample count. The check fails when a configuration is missing, any checked sample is not
-token-identical to greedy AR, or tokens/step fell by more than the relative tolerance.
+tokens/step, the draft acceptance rate and the sample count. The check fails when a configuration is missing, any
+checked sample is not token-identical to greedy AR, or tokens/step or the acceptance rate fell by more than the
+relative tolerance (the acceptance rate only where the baseline accepted at least MIN_ACCEPTS drafts: fewer are
+noise).
 """
 
 from __future__ import annotations
@@ -15,18 +17,24 @@ from harness.errors import HarnessError
 from harness.metrics import OVERALL, Summary
 
 
+MIN_ACCEPTS = 20
+
+
 @dataclass
 class Expected:
     config_key: str
     label: str
     tokens_per_step: float
     samples: int
+    acceptance: float | None = None  # share of verified drafts accepted (absent in older baselines)
+    accepts: int = 0  # drafts accepted in the baseline run
 
 
 @dataclass
 class Outcome:
     expected: Expected
     current: float | None
+    acceptance: float | None
     lossless: str
     verdict: str  # "ok" or why it failed
 
@@ -41,7 +49,8 @@ def _label(s: Summary) -> str:
 
 
 def baseline_from(summaries: list[Summary]) -> list[Expected]:
-    return [Expected(s.config_key, _label(s), round(s.tokens_per_step, 4), s.samples)
+    return [Expected(s.config_key, _label(s), round(s.tokens_per_step, 4), s.samples,
+                     None if s.acceptance is None else round(s.acceptance, 4), sum(s.fill_accepts))
             for s in summaries if s.dataset == OVERALL and s.tokens_per_step is not None]
 
 
@@ -63,24 +72,35 @@ def compare(baseline: list[Expected], summaries: list[Summary], tolerance: float
     for expected in baseline:
         s = current.get(expected.config_key)
         if s is None:
-            outcomes.append(Outcome(expected, None, "—", "missing"))
+            outcomes.append(Outcome(expected, None, None, "—", "missing"))
             continue
         lossless = f"{s.identical}/{s.checked}"
         if s.identical < s.checked:
             verdict = "lost losslessness"
         elif s.tokens_per_step < expected.tokens_per_step * (1 - tolerance):
             verdict = f"tokens/step fell more than {tolerance:.0%}"
+        elif (expected.acceptance is not None and expected.accepts >= MIN_ACCEPTS
+              and (s.acceptance or 0.0) < expected.acceptance * (1 - tolerance)):
+            verdict = f"acceptance fell more than {tolerance:.0%}"
         else:
             verdict = "ok"
-        outcomes.append(Outcome(expected, s.tokens_per_step, lossless, verdict))
+        outcomes.append(Outcome(expected, s.tokens_per_step, s.acceptance, lossless, verdict))
     return outcomes
 
 
 def table(outcomes: list[Outcome]) -> str:
-    lines = ["| config | baseline tokens/step | current | change | lossless | verdict |", "|---|---|---|---|---|---|"]
+    lines = ["| config | baseline tokens/step | current | change | baseline acceptance | current | change | lossless "
+             "| verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
-        current = "—" if o.current is None else f"{o.current:.4f}"
-        change = "—" if o.current is None else f"{o.current / o.expected.tokens_per_step - 1:+.1%}"
-        lines.append(f"| {o.expected.label} | {o.expected.tokens_per_step:.4f} | {current} | {change} | {o.lossless} "
-                     f"| {o.verdict} |")
+        e = o.expected
+        lines.append(f"| {e.label} | {_pair(e.tokens_per_step, o.current)} | {_pair(e.acceptance, o.acceptance)} "
+                     f"| {o.lossless} | {o.verdict} |")
     return "\n".join(lines) + "\n"
+
+
+def _pair(expected: float | None, current: float | None) -> str:
+    """'baseline | current | relative change' cells."""
+    def fmt(value):
+        return "—" if value is None else f"{value:.4f}"
+    change = "—" if expected in (None, 0) or current is None else f"{current / expected - 1:+.1%}"
+    return f"{fmt(expected)} | {fmt(current)} | {change}"

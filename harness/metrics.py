@@ -81,6 +81,12 @@ class Summary:
         return 100.0 * self.identical / self.checked if self.checked else None
 
     @property
+    def acceptance(self) -> float | None:
+        """Share of verified drafts the target accepted (pipeline), or of draft positions offered (EAGLE-3)."""
+        drafts = sum(self.fill_drafts)
+        return sum(self.fill_accepts) / drafts if drafts else None
+
+    @property
     def fill_acceptance(self) -> list[float | None]:
         return [a / d if d else None for a, d in zip(self.fill_accepts, self.fill_drafts)]
 

@@ -77,13 +77,27 @@ def _chunks(loaded: LoadedModel, convs: list[list[dict]], seq_len: int) -> list[
     return out
 
 
-def draft_vocabulary(chunks: list[Chunk], size: int) -> torch.Tensor | None:
-    """The `size` most frequent assistant tokens of the training slice (ids in the target vocabulary)."""
+VOCAB_COUNT_TOKENS = 500_000  # assistant tokens of the corpus counted for the draft vocabulary, whatever the budget
+
+
+def draft_vocabulary(loaded: LoadedModel, convs: list[list[dict]], chunks: list[Chunk], size: int
+                     ) -> torch.Tensor | None:
+    """The `size` most frequent assistant tokens (ids in the target vocabulary) of the training slice plus the
+    corpus's first VOCAB_COUNT_TOKENS assistant tokens: a small training budget must not shrink the vocabulary
+    to the few tokens its slice happens to contain."""
     if size <= 0:
         return None
     counts = Counter()
     for chunk in chunks:
         counts.update(chunk.ids[chunk.loss_mask].tolist())
+    counted = 0
+    for messages in convs:
+        if counted >= VOCAB_COUNT_TOKENS:
+            break
+        example = encode(loaded.tokenizer, messages, max_tokens=4096)
+        assistant = [t for t, keep in zip(example.ids, example.assistant) if keep]
+        counts.update(assistant)
+        counted += len(assistant)
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
 
 
@@ -103,7 +117,7 @@ class DrafterTrainer:
     def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
-        self.module = spec.build(target, draft_ids).float().train()
+        self.module = spec.build(target, draft_ids).start_as_identity().float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.step, self.tokens, self.validation = 0, 0, {}
@@ -225,7 +239,7 @@ def train(config: TrainConfig) -> list[Path]:
     val_chunks = _chunks(loaded, held_out, config.seq_len)[:config.val_chunks]
     draft_ids = _saved_draft_ids(target, config) if config.resume else None
     if draft_ids is None:
-        draft_ids = draft_vocabulary(chunks, config.draft_vocab)
+        draft_ids = draft_vocabulary(loaded, train_convs, chunks, config.draft_vocab)
     trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
     for trainer in trainers:
         if not config.resume and trainer.folder.exists():

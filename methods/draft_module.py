@@ -42,6 +42,16 @@ class DraftModule(nn.Module):
         # Shared with the target and never trained (a tuple keeps them out of this module's parameters).
         self._frozen = (target.backbone.norm, target.backbone.rotary_emb, target.backbone.embed_tokens)
 
+    def start_as_identity(self) -> DraftModule:
+        """Zero every layer's residual-branch output (attention o_proj, MLP down_proj): training then starts from
+        the module's input passed straight to the head (for an SPD drafter, an early exit from its deepest
+        feature) instead of from random layers."""
+        with torch.no_grad():
+            for name, module in self.layers.named_modules():
+                if name.endswith(("o_proj", "down_proj")) and isinstance(module, nn.Linear):
+                    module.weight.zero_()
+        return self
+
     def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
         """The decoder layers over rows x [B, R, D] at `positions` [R]; `mask` [B, 1, R, K] bool (None: one row)."""
         rope = self._frozen[1](x, positions[None])

@@ -20,6 +20,8 @@ def _check(*args):
 def test_check_passes_then_catches_a_drop_a_lost_sample_and_a_missing_config(tmp_path):
     spd = {"n": 8, "ls": 4, "schedule": "input", "width": 1}
     rows = [_row("spd", spd, d, "input") for d in ("gsm8k", "mt_bench")]
+    for r in rows:  # 30 of 80 drafts accepted per row: enough accepts for the acceptance rate to be compared
+        r["stats"]["fill_drafts"], r["position_accepts"] = [40, 40], [20, 10]
     rows += [_row("eagle3", {"m": 3, "width": 1, "ttt": 7}, "gsm8k", draft={"num_layers": 30, "ls": 1, "m": 3, "width": 1})]
     results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
     _write(results, rows)
@@ -32,6 +34,14 @@ def test_check_passes_then_catches_a_drop_a_lost_sample_and_a_missing_config(tmp
     code, output = _check("--baseline", baseline, "--results", results, "--tolerance", "0.1")
     assert code == 1 and "tokens/step fell more than 10%" in output and "-20.0%" in output
     assert _check("--baseline", baseline, "--results", results, "--tolerance", "0.25")[0] == 0
+
+    rejected = [dict(r, position_accepts=[10, 0]) if r["method"] == "spd" else r for r in rows]  # 10 of 80, not 30
+    _write(results, rejected)
+    code, output = _check("--baseline", baseline, "--results", results, "--tolerance", "0.5")
+    assert code == 1 and "acceptance fell more than 50%" in output and "-66.7%" in output
+    few = [dict(r, position_accepts=[0, 0]) if r["method"] == "eagle3" else r for r in rows]  # 3 accepts: noise
+    _write(results, few)
+    assert _check("--baseline", baseline, "--results", results, "--tolerance", "0.5")[0] == 0
 
     lost = [dict(r, lossless={"checked": True, "identical": False, "first_divergence": 3}) if r["method"] == "eagle3"
             else r for r in rows]
