@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -49,6 +50,16 @@ def load_config(folder: Path) -> dict:
 
 def load_weights(folder: Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
     return load_file(str(Path(folder) / name))
+
+
+def fingerprint(folder: Path) -> str:
+    """Short hash of a drafter's weights: part of a run's config key, so a retrained drafter never passes for a
+    finished run."""
+    digest = hashlib.sha256()
+    with open(Path(folder) / WEIGHTS, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def check_target(config: dict, identity) -> None:

@@ -119,7 +119,8 @@ class Summary:
         if self.method == "autoregressive":
             return 1.0
         counts, shape = self.counts, self.pipeline
-        if shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]:
+        if (shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]
+                or not self.timing.get("stages")):  # simulated runs have no timings
             return None
         per_layer = self.timing["stages"] / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
         drafter = self.timing["drafter"] / counts["drafter_calls"]

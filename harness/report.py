@@ -194,6 +194,22 @@ def reference_table(summaries: list[Summary]) -> list[Table]:
                   "(fill with `spd-bench sweep --preset paper --model <local Qwen3.5-4B folder>` on a GPU)")]
 
 
+def simulation_table(overall: list[Summary]) -> list[Table]:
+    """Configurations run both ways: how close the replay's acceptance is to executed decoding."""
+    def key(s):
+        return (s.model, s.method, _params(s.params), s.temperature)
+    executed = {key(s): s for s in overall if not s.simulated}
+    rows = [[_config(e), str(_width(e)), f"{e.temperature:g}", f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
+             _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3)]
+            for s in overall if s.simulated and (e := executed.get(key(s))) is not None]
+    if not rows:
+        return []
+    return [Table("Simulated vs executed", ["config", "width", "T", "samples (exec/sim)", "tokens/step exec",
+                                            "tokens/step sim", "acceptance exec", "acceptance sim"], rows,
+                  "the same configuration decoded and replayed (`--simulate`): equal at T=0 on the same prompts; at "
+                  "T>0 the replay gives the expected acceptance along a sampled trajectory")]
+
+
 def lossless_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall]
@@ -220,7 +236,8 @@ def missing_points(summaries: list[Summary]) -> list[GridPoint]:
 def tables(summaries: list[Summary]) -> list[Table]:
     overall = [s for s in summaries if s.dataset == OVERALL]
     return (main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall) + speedup_table(overall)
-            + acceptance_tables(overall) + reference_table(summaries) + lossless_table(overall)
+            + acceptance_tables(overall) + simulation_table(overall) + reference_table(summaries)
+            + lossless_table(overall)
             + [detail_table(summaries)])
 
 

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 import methods  # noqa: F401  (fills the registry)
+from harness import checkpoints
 from harness.data import Sample, load_samples, render_prompt
 from harness.errors import HarnessError
 from harness.lossless import ReferenceCache, compare, not_checked
@@ -96,6 +97,24 @@ def versions() -> dict:
     return found
 
 
+def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
+    """Where the configuration's trained drafter lives and the command that trains it; None: it needs none."""
+    cls = REGISTRY[config.method]
+    needed = cls.drafter(parse_params(cls, config.params))
+    if needed is None:
+        return None
+    tag, command = needed
+    folder = Path(config.checkpoint) if config.checkpoint else checkpoints.drafter_dir(identity, config.method, tag)
+    return folder, command
+
+
+def drafter_fingerprint(config: RunConfig, identity) -> str | None:
+    found = drafter_folder(config, identity)
+    if found is None or not (found[0] / checkpoints.WEIGHTS).exists():
+        return None
+    return checkpoints.fingerprint(found[0])
+
+
 def sample_seed(seed: int, sample: Sample) -> int:
     """Per-sample seed, so a resumed run draws exactly what an uninterrupted one would have."""
     text = f"{seed}/{sample.dataset}/{sample.question_id}"
@@ -110,6 +129,7 @@ class Runner:
         self.loaded = loaded
         self.sampling = config.sampling()
         self.stop_ids = stop_ids(loaded)
+        self.drafter = drafter_fingerprint(config, loaded.identity)
         spec = {
             "method": config.method,
             "params": config.params,
@@ -120,6 +140,7 @@ class Runner:
             "dtype": config.dtype_name,
             "device": loaded.device.type,
             **({"simulated": True} if config.simulate else {}),
+            **({"drafter": self.drafter} if self.drafter else {}),
         }
         self.key = config_key(spec)
         self.references = ReferenceCache(loaded.identity, config.dtype_name, loaded.device.type)
@@ -243,7 +264,7 @@ class Runner:
             config_key=self.key,
             simulated=c.simulate,
             versions=versions(),
-            stats={**generation.stats, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            stats={**generation.stats, "drafter": self.drafter, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
             baseline=None if baseline is None else {
                 "method": REFERENCE_METHOD,
                 "new_tokens": len(baseline.output_ids),

@@ -15,7 +15,7 @@ from harness.errors import HarnessError
 from harness.models import load_model
 from harness.paper import GridPoint
 from harness.results import ResultStore
-from harness.runner import RunConfig, Runner, default_out, load_prompts, validate
+from harness.runner import RunConfig, Runner, default_out, drafter_folder, load_prompts, validate
 from methods.base import REGISTRY, parse_params
 
 
@@ -60,15 +60,12 @@ def _valid(method: str, params: dict) -> bool:
         raise HarnessError(f"{method} {params}: {exc}; fix the sweep's values") from None
 
 
-def missing_drafter(point: GridPoint, identity) -> str | None:
-    """The train command for a point whose drafter is not in the cache, else None."""
-    cls = REGISTRY[point.method]
-    needed = cls.drafter(parse_params(cls, point.param_dict))
-    if needed is None:
+def missing_drafter(config: RunConfig, identity) -> str | None:
+    """The train command for a configuration whose drafter is not in the cache, else None."""
+    found = drafter_folder(config, identity)
+    if found is None or (found[0] / checkpoints.CONFIG).exists():
         return None
-    tag, command = needed
-    folder = checkpoints.drafter_dir(identity, point.method, tag)
-    return None if (folder / checkpoints.CONFIG).exists() else command
+    return found[1]
 
 
 def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> SweepOutcome:
@@ -80,7 +77,7 @@ def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> Swe
     loaded = load_model(base.model, base.device, base.dtype)
     skipped, runners = [], {}
     for point, config in configs.items():
-        command = missing_drafter(point, loaded.identity)
+        command = missing_drafter(config, loaded.identity)
         if command is not None:
             skipped.append(Skipped(point, f"no drafter; train it with: {command}"))
             continue
