@@ -10,6 +10,7 @@ noise).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class Outcome:
 
 def _label(s: Summary) -> str:
     params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()))
-    return f"{s.model} {s.method} {params} T={s.temperature:g}".strip()
+    return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}".strip()
 
 
 def baseline_from(summaries: list[Summary]) -> list[Expected]:
@@ -67,10 +68,14 @@ def read_baseline(path: Path) -> list[Expected]:
 
 
 def compare(baseline: list[Expected], summaries: list[Summary], tolerance: float) -> list[Outcome]:
-    current = {s.config_key: s for s in summaries if s.dataset == OVERALL}
+    overall = [s for s in summaries if s.dataset == OVERALL]
+    by_key = {s.config_key: s for s in overall}
+    labels = Counter(_label(s) for s in overall)
+    # A retrained drafter changes the config key (it includes the weights' hash), so a unique label also matches.
+    by_label = {_label(s): s for s in overall if labels[_label(s)] == 1}
     outcomes = []
     for expected in baseline:
-        s = current.get(expected.config_key)
+        s = by_key.get(expected.config_key) or by_label.get(expected.label)
         if s is None:
             outcomes.append(Outcome(expected, None, None, "—", "missing"))
             continue

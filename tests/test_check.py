@@ -28,6 +28,8 @@ def test_check_passes_then_catches_a_drop_a_lost_sample_and_a_missing_config(tmp
     assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
     code, output = _check("--baseline", baseline, "--results", results)
     assert code == 0 and "all configurations pass" in output
+    _write(results, [dict(r, config_key=r["config_key"] + "-retrained") for r in rows])  # new drafter weights hash
+    assert _check("--baseline", baseline, "--results", results)[0] == 0  # matched by configuration label
 
     dropped = [dict(r, steps=10) if r["method"] == "spd" else r for r in rows]  # 10 tokens in 10 cycles, not 8
     _write(results, dropped)
