@@ -95,6 +95,7 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
         (["--model", "/no/such/model"], "model '/no/such/model' not found"),
         (["--param", "n"], "must look like name=value"),
         (["--param", "n=4"], "has no parameter"),
+        (["--simulate"], "method autoregressive has no acceptance simulation; drop --simulate"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_path, eval_dir, cache):
@@ -103,6 +104,18 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_p
     assert result.exit_code == 2
     assert message in result.output and len(result.output.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "pass either --preset paper or --method LIST"),
+    (["--method", "spd", "--n", "0"], "n must be >= 1"),
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "spd", "--width", "x"], "expected a comma-separated list"),
+])
+def test_bad_sweep_input_exits_2_with_one_line(args, message, cache):
+    result = CliRunner().invoke(main, ["sweep", *args])
+    assert result.exit_code == 2
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_malformed_data_line_and_unreadable_results_file_exit_2(tmp_path, tiny_dir, cache):
