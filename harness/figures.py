@@ -94,19 +94,25 @@ def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, t: fl
     return xs, [points[x][1] for x in xs]
 
 
-def _grid_of_panels(panels: list, draw, xlabel: str, path: Path) -> Path | None:
+def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int]) -> Path | None:
+    """One panel per (T, width), two per row, integer ticks on the x axis."""
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, min(2, len(panels)), figsize=(10 if len(panels) > 1 else 5, 3.8 * rows),
+                             squeeze=False)
     drawn = False
-    for ax, (t, w) in zip(axes[0], panels):
+    for ax, (t, w) in zip(axes.flat, panels):
         drawn |= draw(ax, t, w)
         ax.set_title(f"T={t:g}, width {w}")
         ax.set_xlabel(xlabel)
+        ax.set_ylabel("theoretical speedup")
+        ax.set_xticks(ticks)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("theoretical speedup")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     if not drawn:
         plt.close(fig)
         return None
@@ -125,10 +131,11 @@ def speedup_over_n(summaries: list[Summary], path: Path) -> Path | None:
         xs, ys = _series(summaries, "eagle3", {}, "m", t, w)
         for m, y in zip(xs, ys):
             ax.axhline(y, linestyle="--", linewidth=1, color="gray")
-            ax.annotate(f"EAGLE-3 m={m}", (ax.get_xlim()[0], y), fontsize=7, va="bottom")
+            ax.annotate(f"EAGLE-3 m={m}", (4, y), fontsize=7, va="bottom")
         return bool(ax.lines)
 
-    return _grid_of_panels(_panels(summaries), draw, "pipeline stages n", path)
+    ns = sorted({s.params["n"] for s in summaries if s.method in ("spd", "ppsd") and "n" in s.params} | {4, 8, 16})
+    return _grid_of_panels(_panels(summaries), draw, "pipeline stages n", path, ns)
 
 
 def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
@@ -140,7 +147,7 @@ def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
                 ax.plot(xs, ys, marker="o", label=f"SPD n={n}")
         return bool(ax.lines)
 
-    return _grid_of_panels(_panels(summaries), draw, "drafter layers Ls", path)
+    return _grid_of_panels(_panels(summaries), draw, "drafter layers Ls", path, [1, 2, 3, 4])
 
 
 def _save(fig, path: Path) -> Path:
