@@ -43,6 +43,7 @@ class Summary:
     pipeline: dict | None = None  # pipeline methods: layers, stages, Ls, schedule, width
     draft: dict | None = None  # draft-then-verify methods: layers, Ls, m, width
     simulated: bool = False  # acceptance replayed on the AR output, not executed
+    expected_accepts: float = 0.0  # simulated runs: summed acceptance probabilities of the verified drafts
 
     def add(self, row: dict) -> None:
         self.samples += 1
@@ -55,6 +56,7 @@ class Summary:
         _add(self.timing, row["timing"])
         stats = row.get("stats", {})
         _add(self.counts, {k: stats.get(k, 0) for k in ("stage_runs", "drafter_calls", "verifications")})
+        self.expected_accepts += stats.get("expected_accepts", 0.0)
         self.pipeline = stats.get("pipeline", self.pipeline)
         self.draft = stats.get("draft", self.draft)
         accepts = row.get("position_accepts", [])
@@ -85,6 +87,12 @@ class Summary:
         """Share of verified drafts the target accepted (pipeline), or of draft positions offered (EAGLE-3)."""
         drafts = sum(self.fill_drafts)
         return sum(self.fill_accepts) / drafts if drafts else None
+
+    @property
+    def expected_acceptance(self) -> float | None:
+        """Simulated runs: the verifier's expected acceptance, sum of min(p, q) per draft over the drafts."""
+        drafts = sum(self.fill_drafts)
+        return self.expected_accepts / drafts if drafts and self.simulated else None
 
     @property
     def fill_acceptance(self) -> list[float | None]:

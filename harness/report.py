@@ -200,14 +200,16 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
         return (s.model, s.method, _params(s.params), s.temperature)
     executed = {key(s): s for s in overall if not s.simulated}
     rows = [[_config(e), str(_width(e)), f"{e.temperature:g}", f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
-             _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3)]
+             _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3), _num(s.expected_acceptance, 3)]
             for s in overall if s.simulated and (e := executed.get(key(s))) is not None]
     if not rows:
         return []
     return [Table("Simulated vs executed", ["config", "width", "T", "samples (exec/sim)", "tokens/step exec",
-                                            "tokens/step sim", "acceptance exec", "acceptance sim"], rows,
+                                            "tokens/step sim", "acceptance exec", "acceptance sim",
+                                            "expected acceptance sim"], rows,
                   "the same configuration decoded and replayed (`--simulate`): equal at T=0 on the same prompts; at "
-                  "T>0 the replay gives the expected acceptance along a sampled trajectory")]
+                  "T>0 the replay accepts each draft with the verifier's probability sum_x min(p, q) along a sampled "
+                  "AR trajectory, and the expected acceptance is the mean of those probabilities")]
 
 
 def lossless_table(overall: list[Summary]) -> list[Table]:

@@ -137,8 +137,10 @@ class EAGLE3(Method):
                                "--simulate or use --width 1")
         start = teacher.prompt_len
         prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
-        return self._rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
-                            Timer(self.target.device), trajectory_verifier(teacher))
+        generation = self._rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
+                                  Timer(self.target.device), trajectory_verifier(teacher))
+        generation.stats["expected_accepts"] = float(sum(generation.position_accepts))  # T=0: outcomes are certain
+        return generation
 
     def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
                 timer: Timer, verify) -> Generation:

@@ -35,9 +35,11 @@ def replay_rounds(accepts: torch.Tensor, teacher: Teacher, m: int, max_new_token
     """EAGLE-3's chain rounds on the trajectory: leading accepted drafts plus one bonus token per round."""
     start, size = teacher.prompt_len, teacher.length
     output = [teacher.token(start)]
-    accepted, position_accepts = [], [0] * m
+    accepted, position_accepts, expected = [], [0] * m, 0.0
     while len(output) < max_new_tokens and output[-1] not in stop_ids:
         base = start + len(output) - 1
+        room = min(m, size - base - 1, max_new_tokens - len(output))  # drafts that could still be committed
+        expected += _expected_length(accepts[base, : max(0, room)])
         count = 0
         while count < m and base + count + 1 < size and teacher.accepts(float(accepts[base, count])):
             count += 1
@@ -46,7 +48,12 @@ def replay_rounds(accepts: torch.Tensor, teacher: Teacher, m: int, max_new_token
         for k in range(min(count, len(new))):
             position_accepts[k] += 1
     return Generation(output_ids=output, steps=len(accepted), accepted=accepted, position_accepts=position_accepts,
-                      stats={"candidates": m * len(accepted), "draft": shape})
+                      stats={"candidates": m * len(accepted), "expected_accepts": expected, "draft": shape})
+
+
+def _expected_length(probabilities: torch.Tensor) -> float:
+    """Expected number of leading accepted drafts: sum over k of the product of the first k acceptance chances."""
+    return float(torch.cumprod(probabilities, dim=0).sum()) if len(probabilities) else 0.0
 
 
 def trajectory_verifier(teacher: Teacher):

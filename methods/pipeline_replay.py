@@ -89,7 +89,7 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
     output = [teacher.token(start)]
     in_flight = [_Slot(start, 0, 0)]
     accepted, fill_drafts, fill_accepts = [], [0] * n, [0] * n
-    stage_runs = 0
+    stage_runs, expected = 0, 0.0
 
     def draft(newest: int) -> _Slot:
         return _Slot(newest + 1, 0, max(0, len(in_flight) - 1))
@@ -111,7 +111,9 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
         fill_drafts[candidate.fill] += 1
         accepted.append(1)
         output.append(teacher.token(candidate.position))
-        if teacher.accepts(float(accepts[candidate.position - 1, candidate.fill])):
+        probability = float(accepts[candidate.position - 1, candidate.fill])
+        expected += probability
+        if teacher.accepts(probability):
             fill_accepts[candidate.fill] += 1
             in_flight.append(drafted)
         else:
@@ -122,5 +124,5 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
         accepted=accepted,
         position_accepts=fill_accepts,
         stats={"fill_drafts": fill_drafts, "stage_runs": stage_runs, "drafter_calls": len(accepted),
-               "verifications": sum(fill_drafts), "pipeline": shape},
+               "verifications": sum(fill_drafts), "expected_accepts": expected, "pipeline": shape},
     )

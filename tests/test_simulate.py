@@ -99,6 +99,7 @@ def _assert_same(method) -> int:
         assert simulated.steps == executed.steps
         assert simulated.accepted == executed.accepted
         assert simulated.position_accepts == executed.position_accepts
+        assert simulated.stats["expected_accepts"] == pytest.approx(sum(executed.position_accepts))
         for key in ("fill_drafts", "stage_runs", "drafter_calls", "verifications", "candidates"):
             if key in executed.stats and not (key == "candidates" and method.params.width > 1):
                 assert simulated.stats[key] == executed.stats[key], key
@@ -144,7 +145,7 @@ def test_sampled_simulation_tracks_executed_acceptance(build):
     """At T=1 the replay's acceptance (expected min(p, q) per draft along a sampled trajectory) matches executed
     runs on average: both are pooled over the same prompts and seeds."""
     method = build()
-    executed, simulated = [0, 0], [0, 0]
+    executed, simulated, expected = [0, 0], [0, 0], 0.0
     for seed in range(12):
         for prompt in PROMPTS:
             run = method.generate(prompt, NEW, Sampler(SamplingConfig(1.0), torch.Generator().manual_seed(seed)))
@@ -152,6 +153,8 @@ def test_sampled_simulation_tracks_executed_acceptance(build):
                                      Sampler(SamplingConfig(1.0), torch.Generator().manual_seed(seed)))
             executed = [a + b for a, b in zip(executed, _acceptance(run))]
             simulated = [a + b for a, b in zip(simulated, _acceptance(replay))]
+            expected += replay.stats["expected_accepts"]
     rate_executed, rate_simulated = executed[0] / executed[1], simulated[0] / simulated[1]
     assert rate_executed > 0.05
     assert abs(rate_executed - rate_simulated) < 0.1
+    assert abs(rate_executed - expected / simulated[1]) < 0.1
