@@ -214,7 +214,7 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
 
 def lossless_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", str(s.checked), str(s.identical),
-             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall]
+             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
     return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences"], rows)]
 
 
