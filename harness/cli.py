@@ -47,6 +47,16 @@ def _datasets(value: str) -> tuple[str, ...]:
     return names
 
 
+def _values(text: str | None, kind=int) -> list:
+    """A comma-separated option as a list of `kind` values (None: empty)."""
+    if text is None:
+        return []
+    try:
+        return [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected a comma-separated list, got {text!r}") from None
+
+
 def _params(pairs: tuple[str, ...]) -> dict:
     params = {}
     for pair in pairs:
@@ -121,15 +131,6 @@ def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, tempera
     )
     path = run_config(config)
     click.echo(f"results: {path}")
-
-
-def _values(text: str | None, kind=int) -> list:
-    if text is None:
-        return []
-    try:
-        return [kind(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected a comma-separated list, got {text!r}") from None
 
 
 @main.command()
@@ -260,13 +261,6 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     click.echo(f"record: {out}")
 
 
-def _int_list(value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-
-
 POLICIES = {"spd": "multi_depth", "ppsd": "first_stage"}
 DEFAULT_SCHEDULE = {"spd": "input", "ppsd": "output"}
 DEFAULT_LS = {"spd": "4", "ppsd": "1"}
@@ -282,14 +276,14 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
         if method not in TRAINABLE:
             raise click.BadParameter(f"--method must list {', '.join(TRAINABLE)}, got {method!r}")
         if method == "eagle3":
-            specs += [EagleSpec(m) for m in _int_list(m_values)]
+            specs += [EagleSpec(m) for m in _values(m_values)]
             continue
         schedule_list = [s.strip() for s in (schedules or DEFAULT_SCHEDULE[method]).split(",") if s.strip()]
         if any(s not in ("input", "output") for s in schedule_list) or not schedule_list or (
                 method == "ppsd" and schedule_list != ["output"]):
             raise click.BadParameter(f"--schedule must list input and/or output (ppsd: output), got {schedules!r}")
-        specs += [PipelineSpec(method, n, ls, s, POLICIES[method]) for n in _int_list(n_values)
-                  for ls in _int_list(ls_values or DEFAULT_LS[method]) for s in schedule_list]
+        specs += [PipelineSpec(method, n, ls, s, POLICIES[method]) for n in _values(n_values)
+                  for ls in _values(ls_values or DEFAULT_LS[method]) for s in schedule_list]
     if any(getattr(s, "n", 1) < 1 or getattr(s, "ls", 1) < 1 or getattr(s, "ttt", 1) < 1 for s in specs):
         raise click.BadParameter("--n, --ls and --m must be positive")
     if not specs:

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from harness.metrics import Summary  # noqa: E402
+from harness.metrics import Summary, find  # noqa: E402
 
 
 def label(s: Summary) -> str:
@@ -77,21 +77,16 @@ def speedups(summaries: list[Summary], path: Path) -> Path | None:
 
 
 def _panels(summaries: list[Summary]) -> list[tuple[float, int]]:
-    return sorted({(s.temperature, int(s.params.get("width", 1))) for s in summaries})
+    return sorted({(s.temperature, s.width) for s in summaries})
 
 
 def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, t: float, w: int) -> tuple[list, list]:
     """(x, theoretical speedup) along `axis` for one method at fixed parameters; executed runs before simulated."""
-    points: dict[int, tuple[bool, float]] = {}
-    for s in summaries:
-        own = {**s.params, "width": int(s.params.get("width", 1))}
-        if (s.method == method and s.temperature == t and own["width"] == w and axis in own
-                and s.theoretical_speedup is not None and all(own.get(k) == v for k, v in fixed.items())):
-            x = own[axis]
-            if x not in points or points[x][0] > s.simulated:
-                points[x] = (s.simulated, s.theoretical_speedup)
-    xs = sorted(points)
-    return xs, [points[x][1] for x in xs]
+    fixed = {**fixed, "width": w}
+    values = {s.params[axis] for s in summaries if axis in s.params and s.matches(method, fixed, t)}
+    found = {x: find(summaries, method, {**fixed, axis: x}, t) for x in values}
+    xs = sorted(x for x, s in found.items() if s.theoretical_speedup is not None)
+    return xs, [found[x].theoretical_speedup for x in xs]
 
 
 def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int]) -> Path | None:

@@ -66,6 +66,16 @@ class Summary:
             self.baseline_tokens += row["baseline"]["new_tokens"]
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
 
+    @property
+    def width(self) -> int:
+        return int(self.params.get("width", 1))
+
+    def matches(self, method: str, params: dict, temperature: float) -> bool:
+        """Same method and temperature, and every listed parameter equal (width defaults to 1)."""
+        own = {**self.params, "width": self.width}
+        return self.method == method and self.temperature == temperature and all(
+            own.get(k) == v for k, v in params.items())
+
     # --- rates ------------------------------------------------------------------------------------------------
     @property
     def tokens_per_second(self) -> float | None:
@@ -154,6 +164,13 @@ def _vector_sum(a: list, b: list) -> list:
 
 def _group(row: dict) -> tuple:
     return row["config_key"], row["method"], row["model"]["name"], row["temperature"]
+
+
+def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL
+         ) -> Summary | None:
+    """The summary matching a configuration (see Summary.matches), executed runs before simulated ones."""
+    found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature)]
+    return min(found, key=lambda s: s.simulated) if found else None
 
 
 def summarize(rows: list[dict]) -> list[Summary]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-DATASETS = ("mt_bench", "gsm8k", "humaneval")
 MEAN = "mean"
 
 
@@ -66,41 +65,37 @@ def _norm(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "", text.lower())
 
 
-def _ref(model, method, params, t, dataset, metric, value, source) -> Reference:
-    return Reference(model, method, params, t, dataset, metric, value, source)
-
-
 MAIN = "paper, main table (4B, mean of MT-Bench/GSM8K/HumanEval)"
 REPO = "paper's reference code v11 (T=0 overall; wall-clock on n+1 GPUs vs one-GPU AR)"
 REFERENCES = (
-    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "l_acc", 3.43, MAIN),
-    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 1, MEAN, "theoretical_speedup", 2.79, MAIN),
-    _ref("Qwen3.5-4B", "ppsd", {"n": 8, "ls": 1, "schedule": "output", "width": 4}, 1, MEAN, "theoretical_speedup", 1.67,
+    Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "l_acc", 3.43, MAIN),
+    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 1, MEAN, "theoretical_speedup", 2.79, MAIN),
+    Reference("Qwen3.5-4B", "ppsd", {"n": 8, "ls": 1, "schedule": "output", "width": 4}, 1, MEAN, "theoretical_speedup", 1.67,
          MAIN),
-    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 0, MEAN, "theoretical_speedup", 3.61, MAIN),
-    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 0, MEAN, "l_acc", 2.91, MAIN),
-    _ref("Qwen3.5-9B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, "humaneval", "l_acc", 5.97,
+    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 0, MEAN, "theoretical_speedup", 3.61, MAIN),
+    Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 0, MEAN, "l_acc", 2.91, MAIN),
+    Reference("Qwen3.5-9B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, "humaneval", "l_acc", 5.97,
          "paper, 9B HumanEval"),
-    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, MEAN, "theoretical_speedup", 2.72, "paper, EAGLE-3 over m"),
-    _ref("Qwen3.5-4B", "eagle3", {"m": 15, "width": 1}, 0, MEAN, "theoretical_speedup", 2.39, "paper, EAGLE-3 over m"),
-    _ref("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "output", "width": 4}, 1, MEAN, "l_acc", 4.78,
+    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, MEAN, "theoretical_speedup", 2.72, "paper, EAGLE-3 over m"),
+    Reference("Qwen3.5-4B", "eagle3", {"m": 15, "width": 1}, 0, MEAN, "theoretical_speedup", 2.39, "paper, EAGLE-3 over m"),
+    Reference("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "output", "width": 4}, 1, MEAN, "l_acc", 4.78,
          "paper, ablation (raw acceptance)"),
-    _ref("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "output", "width": 4}, 1, MEAN, "theoretical_speedup", 2.39,
+    Reference("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "output", "width": 4}, 1, MEAN, "theoretical_speedup", 2.39,
          "paper, ablation"),
-    _ref("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "theoretical_speedup", 3.44,
+    Reference("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "theoretical_speedup", 3.44,
          "paper, ablation"),
-    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1}, 0, "overall", "theoretical_speedup",
+    Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1}, 0, "overall", "theoretical_speedup",
          3.39, REPO),
-    _ref("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1}, 0, "overall", "wall_clock_speedup",
+    Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1}, 0, "overall", "wall_clock_speedup",
          2.53, REPO),
-    _ref("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1}, 0, "overall", "theoretical_speedup",
+    Reference("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1}, 0, "overall", "theoretical_speedup",
          2.64, REPO),
-    _ref("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1}, 0, "overall", "wall_clock_speedup",
+    Reference("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1}, 0, "overall", "wall_clock_speedup",
          2.27, REPO),
-    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "theoretical_speedup", 2.72, REPO),
-    _ref("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "wall_clock_speedup", 1.97, REPO),
-    _ref("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1}, 0, "overall",
+    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "theoretical_speedup", 2.72, REPO),
+    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "wall_clock_speedup", 1.97, REPO),
+    Reference("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1}, 0, "overall",
          "theoretical_speedup", 1.54, REPO),
-    _ref("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1}, 0, "overall",
+    Reference("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1}, 0, "overall",
          "wall_clock_speedup", 1.28, REPO),
 )

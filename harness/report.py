@@ -14,8 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.metrics import OVERALL, Summary
-from harness.paper import DATASETS, MEAN, REFERENCES, GridPoint, Reference, paper_grid
+from harness.data import DATASETS
+from harness.metrics import OVERALL, Summary, find
+from harness.paper import MEAN, REFERENCES, GridPoint, Reference, paper_grid
 
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
@@ -50,10 +51,6 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _width(s: Summary) -> int:
-    return int(s.params.get("width", 1))
-
-
 def _config(s: Summary) -> str:
     params = {k: v for k, v in s.params.items() if k != "width"}
     name = f"{s.method} {_params(params)}" if params else s.method
@@ -76,20 +73,8 @@ def _mean_triple(cells: list[Summary]) -> str:
     return f"{_num(mean('tokens_per_step'))} · {_num(mean('l_acc'))} · {_num(mean('theoretical_speedup'))}x"
 
 
-def _matches(s: Summary, method: str, params: dict, temperature: float) -> bool:
-    own = {**s.params, "width": _width(s)}
-    return s.method == method and s.temperature == temperature and all(own.get(k) == v for k, v in params.items())
-
-
-def _find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL
-          ) -> Summary | None:
-    """The matching summary, executed runs before simulated ones."""
-    found = [s for s in summaries if s.dataset == dataset and _matches(s, method, params, temperature)]
-    return min(found, key=lambda s: s.simulated) if found else None
-
-
 def _blocks(summaries: list[Summary]) -> list[tuple[float, int]]:
-    return sorted({(s.temperature, _width(s)) for s in summaries if s.method != "autoregressive"})
+    return sorted({(s.temperature, s.width) for s in summaries if s.method != "autoregressive"})
 
 
 # --- tables ------------------------------------------------------------------------------------------------------
@@ -99,7 +84,7 @@ def main_tables(summaries: list[Summary]) -> list[Table]:
     for temperature, width in _blocks(summaries):
         by_config: dict[str, dict[str, Summary]] = {}
         for s in summaries:
-            if (s.temperature, _width(s)) == (temperature, width) and s.method != "autoregressive":
+            if (s.temperature, s.width) == (temperature, width) and s.method != "autoregressive":
                 by_config.setdefault(_config(s), {})[s.dataset] = s
         rows = [[config] + [_triple(cells.get(d)) for d in DATASETS]
                 + [_mean_triple([cells[d] for d in DATASETS if d in cells])] for config, cells in by_config.items()]
@@ -112,10 +97,10 @@ def scaling_tables(summaries: list[Summary]) -> list[Table]:
     """SPD over n x Ls, EAGLE-3 over m, PPSD over n, per (T, width), on the paper's axes ("—": not run)."""
     tables = []
     for t, w in _blocks(summaries):
-        spd = [[f"n={n}"] + [_triple(_find(summaries, "spd", {"n": n, "ls": ls, "schedule": "input", "width": w}, t))
+        spd = [[f"n={n}"] + [_triple(find(summaries, "spd", {"n": n, "ls": ls, "schedule": "input", "width": w}, t))
                              for ls in (1, 2, 3, 4)] for n in (4, 8, 16)]
-        eagle = [[f"m={m}", _triple(_find(summaries, "eagle3", {"m": m, "width": w}, t))] for m in (3, 7, 15)]
-        ppsd = [[f"n={n}", _triple(_find(summaries, "ppsd", {"n": n, "width": w}, t))] for n in (4, 8, 16)]
+        eagle = [[f"m={m}", _triple(find(summaries, "eagle3", {"m": m, "width": w}, t))] for m in (3, 7, 15)]
+        ppsd = [[f"n={n}", _triple(find(summaries, "ppsd", {"n": n, "width": w}, t))] for n in (4, 8, 16)]
         for title, header, rows in (("SPD (input schedule) over n and Ls", ["", "Ls=1", "Ls=2", "Ls=3", "Ls=4"], spd),
                                     ("EAGLE-3 over m", ["", "all datasets"], eagle),
                                     ("PPSD over n", ["", "all datasets"], ppsd)):
@@ -130,7 +115,7 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
     pairs: dict[tuple, dict[str, Summary]] = {}
     for s in overall:
         if s.pipeline is not None:
-            key = (s.method, s.params.get("n"), s.params.get("ls"), _width(s), s.temperature, s.simulated)
+            key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.temperature, s.simulated)
             pairs.setdefault(key, {})[s.pipeline["schedule"]] = s
     rows = [[f"{m} n={n} ls={ls}" + (" (sim)" if sim else ""), str(w), f"{t:g}", _num(p["input"].tokens_per_step),
              _num(p["output"].tokens_per_step), _num(p["input"].theoretical_speedup),
@@ -144,7 +129,7 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
 
 
 def speedup_table(overall: list[Summary]) -> list[Table]:
-    rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", _num(s.theoretical_speedup), _num(s.modeled_speedup),
+    rows = [[_config(s), str(s.width), f"{s.temperature:g}", _num(s.theoretical_speedup), _num(s.modeled_speedup),
              _num(s.wall_clock_speedup), _num(s.tokens_per_second, 1)]
             for s in overall if s.method != "autoregressive" and not s.simulated]
     if not rows:
@@ -162,7 +147,7 @@ def acceptance_tables(overall: list[Summary]) -> list[Table]:
         shown = [s for s in overall if getattr(s, kind) and s.fill_drafts]
         if shown:
             size = max(len(s.fill_drafts) for s in shown)
-            rows = [[_config(s), str(_width(s)), f"{s.temperature:g}"] + [_num(a) for a in s.fill_acceptance]
+            rows = [[_config(s), str(s.width), f"{s.temperature:g}"] + [_num(a) for a in s.fill_acceptance]
                     + ["—"] * (size - len(s.fill_drafts)) for s in shown]
             tables.append(Table(title, ["config", "width", "T"] + [f"{label} {k}" for k in range(size)], rows))
     return tables
@@ -171,10 +156,10 @@ def acceptance_tables(overall: list[Summary]) -> list[Table]:
 def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> float | None:
     candidates = [s for s in summaries if s.model == model]
     if ref.dataset == MEAN:
-        cells = [_find(candidates, ref.method, ref.params, ref.temperature, d) for d in DATASETS]
+        cells = [find(candidates, ref.method, ref.params, ref.temperature, d) for d in DATASETS]
         values = [getattr(c, ref.metric) for c in cells if c is not None]
         return sum(values) / len(values) if len(values) == len(DATASETS) and None not in values else None
-    found = _find(candidates, ref.method, ref.params, ref.temperature, ref.dataset)
+    found = find(candidates, ref.method, ref.params, ref.temperature, ref.dataset)
     return None if found is None else getattr(found, ref.metric)
 
 
@@ -199,7 +184,7 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
     def key(s):
         return (s.model, s.method, _params(s.params), s.temperature)
     executed = {key(s): s for s in overall if not s.simulated}
-    rows = [[_config(e), str(_width(e)), f"{e.temperature:g}", f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
+    rows = [[_config(e), str(e.width), f"{e.temperature:g}", f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
              _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3), _num(s.expected_acceptance, 3)]
             for s in overall if s.simulated and (e := executed.get(key(s))) is not None]
     if not rows:
@@ -213,7 +198,7 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
 
 
 def lossless_table(overall: list[Summary]) -> list[Table]:
-    rows = [[_config(s), str(_width(s)), f"{s.temperature:g}", str(s.checked), str(s.identical),
+    rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
     return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences"], rows)]
 
@@ -232,7 +217,7 @@ def _cells(s: Summary) -> list[str]:
 
 def missing_points(summaries: list[Summary]) -> list[GridPoint]:
     """Points of the paper grid with no record for any model in these results."""
-    return [p for p in paper_grid() if _find(summaries, p.method, p.param_dict, p.temperature) is None]
+    return [p for p in paper_grid() if find(summaries, p.method, p.param_dict, p.temperature) is None]
 
 
 def tables(summaries: list[Summary]) -> list[Table]:

@@ -196,12 +196,19 @@ class Runner:
     def _simulate(self, method, reference, prompt, sample):
         """The method's acceptance replayed on the AR output for this prompt and seed (greedy: the cached one)."""
         seed = sample_seed(self.config.seed, sample)
-        trajectory = self.references.get(prompt, self.config.max_new_tokens) if self.sampling.greedy else None
-        if trajectory is None:
+        if self.sampling.greedy:
+            trajectory = self._greedy_reference(prompt, reference)
+        else:
             trajectory = reference.generate(prompt, self.config.max_new_tokens, self._sampler(seed)).output_ids
-            if self.sampling.greedy:
-                self.references.put(prompt, self.config.max_new_tokens, trajectory)
         return method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
+
+    def _greedy_reference(self, prompt: list[int], reference: Method) -> list[int]:
+        """Greedy AR output for the prompt: from the reference cache, else decoded now and cached."""
+        expected = self.references.get(prompt, self.config.max_new_tokens)
+        if expected is None:
+            expected = reference.generate(prompt, self.config.max_new_tokens, Sampler(SamplingConfig())).output_ids
+            self.references.put(prompt, self.config.max_new_tokens, expected)
+        return expected
 
     def _generate_pair(self, method, reference, prompt, sample, method_first: bool):
         """The method and, unless it is AR itself, AR on the same prompt and seed, in alternating order."""
@@ -225,17 +232,11 @@ class Runner:
     def _check(self, prompt: list[int], output: list[int], reference_method: Method, baseline) -> dict:
         if not self.sampling.greedy:
             return not_checked("sampled run: covered by the distribution tests")
-        expected = self.references.get(prompt, self.config.max_new_tokens)
-        if expected is None:
-            if self.config.method == REFERENCE_METHOD:
-                expected = output
-            elif baseline is not None:
-                expected = baseline.output_ids
-            else:
-                greedy = Sampler(SamplingConfig())
-                expected = reference_method.generate(prompt, self.config.max_new_tokens, greedy).output_ids
-            self.references.put(prompt, self.config.max_new_tokens, expected)
-        return compare(self.target, prompt, output, expected)
+        # AR's own output, or AR run beside the method, is the reference when none is cached yet.
+        own = output if self.config.method == REFERENCE_METHOD else baseline and baseline.output_ids
+        if own and self.references.get(prompt, self.config.max_new_tokens) is None:
+            self.references.put(prompt, self.config.max_new_tokens, own)
+        return compare(self.target, prompt, output, self._greedy_reference(prompt, reference_method))
 
     def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline) -> Record:
         c = self.config
