@@ -37,20 +37,22 @@ def fill_state_accepts(speculator: Speculator, teacher: Teacher, chunk_rows: int
     top = max(0, n - 1 - query)
     accepts = torch.full((size, top + 1), float("nan"))
     cache = StateCache(["full_attention"] * config.ls, size + chunk_rows + n, rewind_window=0)
-    projected = [speculator.project(d, teacher.features) for d in range(n + 1)]  # [1, S, D] per depth
-    positions = torch.arange(size, device=projected[0].device)
-    finished = speculator.decode(projected[n], positions, cache.begin(positions), cache)
+    projected = torch.cat([speculator.project(d, teacher.features) for d in range(n + 1)])  # [depth, S, D]
+    positions = torch.arange(size, device=projected.device)
+    finished = speculator.decode(projected[n:], positions, cache.begin(positions), cache)
     queries = list(range(start, size - 1))  # drafts for positions start+1 .. S-1
     if query >= n:  # n = 1, output schedule: the newest token has finished; the drafter sees finished rows only
         _store(accepts, speculator, teacher, queries, [0] * len(queries), finished[:, queries])
         return accepts
     groups = [(t, f) for t in queries for f in range(min(top, t - start) + 1)]
     chunk: list[tuple[int, int]] = []
+    rows = 0  # in-flight rows in `chunk`: f + 1 per group
     for group in groups:
-        if chunk and sum(f + 1 for _, f in chunk) + group[1] + 1 > chunk_rows:
+        if chunk and rows + group[1] + 1 > chunk_rows:
             _run_chunk(accepts, speculator, teacher, projected, cache, chunk)
-            chunk = []
+            chunk, rows = [], 0
         chunk.append(group)
+        rows += group[1] + 1
     if chunk:
         _run_chunk(accepts, speculator, teacher, projected, cache, chunk)
     return accepts
@@ -67,8 +69,9 @@ def _run_chunk(accepts, speculator, teacher, projected, cache, groups) -> None:
         torch.arange(size)[None, :] < segment[:, None],  # finished slots before the group's segment
         (group[None, :] == group[:, None]) & (row_pos[None, :] <= row_pos[:, None]),  # own group, causal
     ], dim=1)
-    device = projected[0].device
-    x = torch.cat([projected[depth][:, pos: pos + 1] for pos, depth, _, _ in rows], dim=1)
+    device = projected.device
+    depth = torch.tensor([r[1] for r in rows], device=device)
+    x = projected[depth, row_pos.to(device)][None]  # [1, rows, D]
     slots = size + torch.arange(len(rows), device=device)
     attend = cache.begin(row_pos.to(device), slots, mask.to(device))
     out = speculator.decode(x, row_pos.to(device), attend, cache)
