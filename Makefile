@@ -14,9 +14,10 @@ BENCH_ARGS ?= --limit 3 --max-new-tokens 64
 GATE_DIR      ?= $(or $(TMPDIR),/tmp)/spd-bench-gate
 GATE_DRAFTERS := --method spd --n 1,2 --ls 1 --schedule output
 GATE_BASELINE := $(CURDIR)/tests/baselines/regression.json
-GATE_CHECK    ?= --tolerance 0.3
+GATE_TOLERANCE ?= 0.3
+GATE_RUN       := cd $(GATE_DIR) && export HF_HUB_OFFLINE=1 SPD_BENCH_CACHE=$(GATE_DIR)/cache && $(abspath $(BIN))/spd-bench
 
-.PHONY: install bench test test-fast report regression regression-baseline
+.PHONY: install bench test test-fast report regression regression-baseline gate-drafters
 
 install: $(STAMP)
 
@@ -43,13 +44,14 @@ test: install
 test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not e2e"
 
-regression: install
+gate-drafters: install
 	rm -rf $(GATE_DIR) && mkdir -p $(GATE_DIR)
-	cd $(GATE_DIR) && export HF_HUB_OFFLINE=1 SPD_BENCH_CACHE=$(GATE_DIR)/cache && \
-	$(abspath $(BIN))/spd-bench train $(GATE_DRAFTERS) --tokens 2048 --seq-len 128 --batch-size 4 --draft-vocab 4096 && \
-	$(abspath $(BIN))/spd-bench sweep $(GATE_DRAFTERS) --dataset mt_bench,humaneval --limit 2 --max-new-tokens 32 \
-	    --results $(GATE_DIR)/results && \
-	$(abspath $(BIN))/spd-bench check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results $(GATE_CHECK)
+	$(GATE_RUN) train $(GATE_DRAFTERS) --tokens 2048 --seq-len 128 --batch-size 4 --draft-vocab 4096
 
-regression-baseline: GATE_CHECK = --write   # rewrite the committed baseline from a fresh gate run
-regression-baseline: regression
+regression: gate-drafters   # reruns the baseline's configurations (prompts, seed, lengths) with the fresh drafters
+	$(GATE_RUN) check --baseline $(GATE_BASELINE) --rerun --results $(GATE_DIR)/results --tolerance $(GATE_TOLERANCE)
+
+regression-baseline: gate-drafters   # rewrites the committed baseline from a fresh gate run
+	$(GATE_RUN) sweep $(GATE_DRAFTERS) --dataset mt_bench,humaneval --limit 2 --max-new-tokens 32 \
+	    --results $(GATE_DIR)/results
+	$(GATE_RUN) check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results --write

@@ -1,7 +1,8 @@
 """Regression check: pooled acceptance and losslessness of recorded results against a committed baseline.
 
 A baseline is a JSON list with one entry per configuration (overall over its datasets): its config key, a label,
-tokens/step, the draft acceptance rate and the sample count. The check fails when a configuration is missing, any
+tokens/step, the draft acceptance rate, the sample count and how to run it again (`--rerun`: method, parameters,
+sampling, lengths, seed, dtype and the question ids per dataset). The check fails when a configuration is missing, any
 checked sample is not token-identical to greedy AR, or tokens/step or the acceptance rate fell by more than the
 relative tolerance (the acceptance rate only where the baseline accepted at least MIN_ACCEPTS drafts: fewer are
 noise).
@@ -16,6 +17,10 @@ from pathlib import Path
 
 from harness.errors import HarnessError
 from harness.metrics import OVERALL, Summary
+from harness.models import load_model
+from harness.results import ResultStore
+from harness.runner import RunConfig, Runner, default_out, load_prompts, validate
+from harness.sweep import missing_drafter
 
 
 MIN_ACCEPTS = 20
@@ -29,6 +34,7 @@ class Expected:
     samples: int
     acceptance: float | None = None  # share of verified drafts accepted (absent in older baselines)
     accepts: int = 0  # drafts accepted in the baseline run
+    run: dict | None = None  # how to run it again (absent in older baselines): see run_spec
 
 
 @dataclass
@@ -49,15 +55,31 @@ def _label(s: Summary) -> str:
     return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}".strip()
 
 
-def baseline_from(summaries: list[Summary]) -> list[Expected]:
+def run_spec(rows: list[dict]) -> dict:
+    """The RunConfig fields of one configuration's records, and its samples as {dataset: [question ids]}."""
+    first = rows[0]
+    samples: dict[str, list] = {}
+    for row in rows:
+        samples.setdefault(row["dataset"], []).append(row["question_id"])
+    return {"method": first["method"], "params": first["params"], "model": first["model"]["name"],
+            "temperature": first["temperature"], "top_k": first.get("top_k", 0), "top_p": first.get("top_p", 1.0),
+            "max_new_tokens": first["max_new_tokens"], "seed": first["seed"], "dtype": first["dtype"],
+            "simulate": bool(first.get("simulated")), "samples": samples}
+
+
+def baseline_from(summaries: list[Summary], rows: list[dict]) -> list[Expected]:
+    by_key: dict[str, list[dict]] = {}
+    for row in rows:
+        by_key.setdefault(row["config_key"], []).append(row)
     return [Expected(s.config_key, _label(s), round(s.tokens_per_step, 4), s.samples,
-                     None if s.acceptance is None else round(s.acceptance, 4), sum(s.fill_accepts))
+                     None if s.acceptance is None else round(s.acceptance, 4), sum(s.fill_accepts),
+                     run_spec(by_key[s.config_key]))
             for s in summaries if s.dataset == OVERALL and s.tokens_per_step is not None]
 
 
-def write_baseline(path: Path, summaries: list[Summary]) -> None:
+def write_baseline(path: Path, summaries: list[Summary], rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(e) for e in baseline_from(summaries)], indent=1) + "\n")
+    path.write_text(json.dumps([asdict(e) for e in baseline_from(summaries, rows)], indent=1) + "\n")
 
 
 def read_baseline(path: Path) -> list[Expected]:
@@ -65,6 +87,44 @@ def read_baseline(path: Path) -> list[Expected]:
         return [Expected(**entry) for entry in json.loads(Path(path).read_text())]
     except (OSError, ValueError, TypeError) as exc:
         raise HarnessError(f"cannot read baseline {path} ({exc}); write one with spd-bench check --write") from None
+
+
+def rerun(baseline: list[Expected], results: Path, model: str | None, device: str, data_dir: str | None
+          ) -> list[str]:
+    """Run every baseline configuration again into `results` (resuming what is there): same prompts, sampling,
+    lengths, seed and dtype, the drafter from the cache. Returns why configurations could not run (they then count
+    as missing)."""
+    loaded_models, problems = {}, []
+    for expected in baseline:
+        if expected.run is None:
+            problems.append(f"{expected.label}: the baseline has no run configuration; rewrite it with --write")
+            continue
+        config, wanted = _config(expected.run, model, device, data_dir)
+        validate(config)
+        samples = [s for s in load_prompts(config) if str(s.question_id) in wanted[s.dataset]]
+        if len(samples) < sum(len(ids) for ids in wanted.values()):
+            raise HarnessError(f"{expected.label}: some of its prompts are not in the datasets found; pass the "
+                               f"--data-dir the baseline was written with")
+        if config.model not in loaded_models:
+            loaded_models[config.model] = load_model(config.model, config.device, config.dtype)
+        loaded = loaded_models[config.model]
+        command = missing_drafter(config, loaded.identity)
+        if command is not None:
+            problems.append(f"{expected.label}: no drafter; train it with: {command}")
+            continue
+        store = ResultStore(default_out(config, loaded.identity.name, results))
+        store.load()
+        Runner(config, loaded).run(samples, store)
+    return problems
+
+
+def _config(spec: dict, model: str | None, device: str, data_dir: str | None) -> tuple[RunConfig, dict[str, set]]:
+    wanted = {dataset: {str(q) for q in ids} for dataset, ids in spec["samples"].items()}
+    config = RunConfig(method=spec["method"], params=dict(spec["params"]), model=model or spec["model"],
+                       datasets=tuple(wanted), temperature=spec["temperature"], top_k=spec["top_k"],
+                       top_p=spec["top_p"], max_new_tokens=spec["max_new_tokens"], seed=spec["seed"], device=device,
+                       dtype=spec["dtype"], data_dir=data_dir, simulate=spec["simulate"])
+    return config, wanted
 
 
 def compare(baseline: list[Expected], summaries: list[Summary], tolerance: float) -> list[Outcome]:

@@ -208,25 +208,43 @@ def report(results, fmt, out):
 
 @main.command()
 @click.option("--baseline", type=click.Path(path_type=Path), required=True, help="Baseline JSON (spd-bench check --write).")
-@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
-              help="Results file or folder to check.")
+@click.option("--results", type=click.Path(path_type=Path), default=None,
+              help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
+                   "(default: a fresh temporary folder).")
 @click.option("--tolerance", type=click.FloatRange(0, 1), default=0.1, show_default=True,
-              help="Largest allowed relative drop of pooled tokens/step.")
+              help="Largest allowed relative drop of pooled tokens/step and acceptance rate.")
 @click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking.")
-def check(baseline, results, tolerance, write):
+@click.option("--rerun", is_flag=True, help="Run the baseline's configurations again (same prompts, sampling, lengths, "
+                                            "seed, dtype; drafters from the cache) and check those records.")
+@click.option("--model", default=None, help="With --rerun: target to load instead of the baseline's model name.")
+@device_option
+@data_option
+def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
     """Exit 1 when acceptance fell beyond the tolerance, a sample lost losslessness, or a configuration is missing."""
+    import tempfile
+
     from harness import check as regression
     from harness.metrics import summarize
     from harness.results import load_all
 
+    if write and rerun:
+        raise click.UsageError("--write takes recorded results; drop --rerun")
+    expected = None if write else regression.read_baseline(baseline)
+    if rerun:
+        results = results or Path(tempfile.mkdtemp(prefix="spd-bench-check-"))
+        results.mkdir(parents=True, exist_ok=True)
+        for problem in regression.rerun(expected, results, model, device, data_dir):
+            click.echo(f"not rerun: {problem}")
+        click.echo(f"rerun records: {results}")
+    results = results or Path("results")
     rows = load_all(results)
-    if not rows:
+    if not rows and not rerun:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     if write:
-        regression.write_baseline(baseline, summarize(rows))
+        regression.write_baseline(baseline, summarize(rows), rows)
         click.echo(f"baseline: {baseline}")
         return
-    outcomes = regression.compare(regression.read_baseline(baseline), summarize(rows), tolerance)
+    outcomes = regression.compare(expected, summarize(rows), tolerance)
     click.echo(regression.table(outcomes), nl=False)
     failed = [o for o in outcomes if not o.ok]
     click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")

@@ -291,9 +291,8 @@ def stop_ids(loaded: LoadedModel) -> set[int]:
     return ids
 
 
-def default_out(config: RunConfig, model_name: str) -> Path:
-    safe = model_name.replace("/", "--")
-    return Path("results") / safe / f"{config.method}.jsonl"
+def default_out(config: RunConfig, model_name: str, root: Path = Path("results")) -> Path:
+    return root / model_name.replace("/", "--") / f"{config.method}.jsonl"
 
 
 def run(config: RunConfig) -> Path:

@@ -81,8 +81,7 @@ def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> Swe
         if command is not None:
             skipped.append(Skipped(point, f"no drafter; train it with: {command}"))
             continue
-        out = (results / loaded.identity.name.replace("/", "--") / f"{point.method}.jsonl") if results else None
-        store = ResultStore(out or default_out(config, loaded.identity.name))
+        store = ResultStore(default_out(config, loaded.identity.name, results or Path("results")))
         store.load()
         runners[point] = (Runner(config, loaded), store)
     todo = {point: runner.todo(samples, store) for point, (runner, store) in runners.items()}

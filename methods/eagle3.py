@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from harness import checkpoints
-from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Method, Timer, commit, register, require_tree_attention
 from methods.eagle_head import EagleConfig, EagleHead
@@ -127,19 +126,19 @@ class EAGLE3(Method):
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
                  ) -> Generation:
         """Chains: every round's acceptance from one batched training-time-test forward (methods/eagle_replay.py).
-        Trees (T=0): the real drafting rounds, verified against the trajectory instead of a target forward."""
+        Trees: the real drafting rounds, verified against the trajectory instead of a target forward. Tree drafts
+        are deterministic and the sibling rule emits a sample of p, accepting iff it is a candidate, so at T>0 the
+        replay is a sample of the executed process (its expected acceptance is the realised one: the target's
+        distributions off the trajectory are not known)."""
         teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
         if self.params.width == 1:
             accepts = chain_accepts(self.head, teacher, self.params.m)
             return replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids, self._shape())
-        if not sampler.greedy:
-            raise HarnessError("simulating EAGLE-3 draft trees at T > 0 is not supported; run width > 1 without "
-                               "--simulate or use --width 1")
         start = teacher.prompt_len
         prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
         generation = self._rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
                                   Timer(self.target.device), trajectory_verifier(teacher))
-        generation.stats["expected_accepts"] = float(sum(generation.position_accepts))  # T=0: outcomes are certain
+        generation.stats["expected_accepts"] = float(sum(generation.position_accepts))
         return generation
 
     def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,

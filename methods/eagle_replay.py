@@ -3,7 +3,7 @@
 Chains: the training-time-test forward computes, for every root at once, the head's k-th draft given that drafts
 1..k-1 were the trajectory tokens, which is all a chain's verification depends on (the first miss ends the round).
 Trees: the real drafting rounds run; only the target forward is replaced by the trajectory, which decides every
-branch on it (branches off it are never descended into at T=0).
+branch on it (branches off it are never descended into).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def _expected_length(probabilities: torch.Tensor) -> float:
 
 
 def trajectory_verifier(teacher: Teacher):
-    """A greedy tree verification that reads the trajectory instead of running the target (T=0)."""
+    """Tree verification that reads the trajectory instead of running the target: the accepted path is the branch
+    that follows it and the bonus its next token (T=0: the argmax; T>0: the sampled token, see EAGLE3.simulate)."""
 
     def verify(nodes, last: int, base: int, sampler):
         on_path = []  # is node i's branch the trajectory up to and including it?

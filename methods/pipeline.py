@@ -19,13 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Timer, require_tree_attention
-from methods.pipeline_replay import fill_state_accepts, replay_cycles
 from methods.sampling import Sampler
 from methods.speculator import Speculator
-from methods.teacher import Teacher
 from methods.verify import accept_or_resample, verify_siblings
 
 
@@ -159,6 +156,9 @@ class PipelineEngine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         self.target.reset()
+        return self._decode(prompt_ids, max_new_tokens, sampler)
+
+    def _decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         drafter = self.drafter_class(self.speculator, self.target.max_len)
         timer = Timer(self.target.device)
         with timer("prefill"):
@@ -181,17 +181,6 @@ class PipelineEngine:
                 "pipeline": self.shape(),
             },
         )
-
-    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
-                 ) -> Generation:
-        """Acceptance replayed on the trajectory from one teacher-forced target pass (methods/pipeline_replay.py)."""
-        if self.width > 1:
-            raise HarnessError("simulating pipeline draft trees needs target states of the branches off the "
-                               "trajectory; run width > 1 without --simulate")
-        teacher = Teacher.run(self.target, prompt_ids, trajectory, self.capture, sampler)
-        accepts = fill_state_accepts(self.speculator, teacher)
-        return replay_cycles(accepts, teacher, self.config.n, self.config.schedule, max_new_tokens, self.stop_ids,
-                             self.shape())
 
     def _cycle(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> None:
         """Draft (before or after the step, by schedule), advance every stage, verify if a token finished."""
@@ -226,7 +215,7 @@ class PipelineEngine:
             return
         run.output.append(token)
         position = finished.position + 1
-        self.target.truncate(position)
+        self._flush(position)
         run.in_flight = [self._new_tokens(position, [token], [None], [0.0], fill=0)]
 
     def _timed_draft(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> Level:
@@ -301,6 +290,10 @@ class PipelineEngine:
                 tok.features.update({layer: h[:, b : b + 1] for layer, h in captured.items()})
                 tok.depth += 1
         return sum(len(level) for level in levels)
+
+    def _flush(self, position: int) -> None:
+        """A rejected draft at `position`: forget the target's in-flight KV (and linear-attention updates) from it."""
+        self.target.truncate(position)
 
     def _commit_slot(self, chosen: Token) -> None:
         """An accepted sibling's KV moves to its position, where the verified prefix lives."""

@@ -1,5 +1,5 @@
-"""Acceptance simulation of the pipeline engine (width 1): every drafter prediction in batched forwards, then the
-engine's cycle accounting replayed.
+"""Acceptance simulation of the pipeline engine: chains (width 1) from batched drafter forwards plus a replay of the
+engine's cycle accounting; draft trees (width > 1, T=0) by the engine's own cycles on teacher-forced target states.
 
 When the drafter runs for the newest token T, the tokens in flight are T-f .. T (f: the fill level) at depths
 q+T-T' (q: query depth, 0 for the input schedule, 1 for output), and everything before T-f is finished. Only
@@ -8,18 +8,47 @@ Finished rows see only finished rows: one causal pass computes them (and their K
 (T, f) view is then a group of f+1 in-flight rows that see finished slots below T-f and their own group causally;
 groups are batched into chunks with a block mask over one KV cache. A draft off the trajectory is flushed before
 anything drafted after it is verified, so only trajectory states matter: the simulation is exact at T=0.
+
+Trees: which children of a trajectory token survive depends on the draft scores of branches off the trajectory, so
+those need target states too. `TreeReplay` runs the engine's cycles (drafting, pruning, verification rule, counters)
+but no stages: a trajectory token's states come from the teacher pass, and a token off it gets all its layers in
+one forward when it is drafted (its ancestors' KV is there by then), in a ring of slots above the trajectory. Every
+decision is the engine's own, so T=0 is exact; the cost is one forward of the off-trajectory drafts per cycle.
+Tree drafts are deterministic at any T, and the sibling rule emits a sample of p and accepts iff it is a candidate,
+so at T>0 the replay on a sampled AR trajectory is itself a sample of the executed process; its expected acceptance
+adds p(candidates) at each verification.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import weakref
+
 import torch
 
+from harness.errors import HarnessError
 from harness.target import StateCache
 from methods.base import Generation
+from methods.pipeline import Level, PipelineEngine, Token
+from methods.sampling import Sampler
 from methods.speculator import Speculator
 from methods.teacher import Teacher
+
+
+def simulate(engine: PipelineEngine, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int,
+             sampler: Sampler) -> Generation:
+    """The engine's acceptance on `trajectory` (the AR output for this prompt and sampler)."""
+    config = engine.config
+    if engine.width == 1:
+        teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler)
+        return replay_cycles(fill_state_accepts(engine.speculator, teacher), teacher, config.n, config.schedule,
+                             max_new_tokens, engine.stop_ids, engine.shape())
+    teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler, keep_cache=True)
+    replay = TreeReplay(engine, teacher)
+    generation = replay.decode(prompt_ids, max_new_tokens, sampler)
+    generation.stats["expected_accepts"] = replay.expected_accepts
+    return generation
 
 
 @dataclass
@@ -129,3 +158,106 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
         stats={"fill_drafts": fill_drafts, "stage_runs": stage_runs, "drafter_calls": len(accepted),
                "verifications": sum(fill_drafts), "expected_accepts": expected, "pipeline": shape},
     )
+
+
+class TreeReplay(PipelineEngine):
+    """The engine with stage compute and verification read from the teacher pass (greedy trees)."""
+
+    def __init__(self, engine: PipelineEngine, teacher: Teacher):
+        super().__init__(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class)
+        self.teacher = teacher
+        self.ring = engine.width * (engine.config.n + 1)  # a drafted token lives at most n cycles, W drafted per cycle
+        self.next_slot = 0
+        if teacher.length + self.ring > self.target.max_len:
+            raise HarnessError(f"the target cache holds {self.target.max_len} slots, but the replay needs "
+                               f"{teacher.length + self.ring}; build the runtime with a larger max_len")
+        self.off_path: weakref.WeakKeyDictionary[Token, _OffPath] = weakref.WeakKeyDictionary()
+        self.expected_accepts = 0.0  # summed acceptance probability of the verifications
+
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        return self._decode(prompt_ids, max_new_tokens, sampler)
+
+    def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
+        n, start = self.config.n, self.teacher.prompt_len
+        rows = [Token(p, t, n, None, {layer: self._teacher_state(layer, p) for layer in self.capture})
+                for p, t in enumerate(prompt_ids)]
+        (first,) = self._new_tokens(start, [self.teacher.token(start)], [None], [0.0], fill=0)
+        return first, rows
+
+    def _new_tokens(self, position: int, tokens: list[int], parents: list, scores: list[float], fill: int,
+                    q: torch.Tensor | None = None) -> Level:
+        level = super()._new_tokens(position, tokens, parents, scores, fill, q)
+        off = [t for t in level if not self._on_path(t)]
+        if off:
+            self._forward(off)
+        return level
+
+    def _on_path(self, token: Token) -> bool:
+        """Is the token's branch the trajectory up to and including it (with teacher states there)?"""
+        parent_on = token.parent is None or token.parent not in self.off_path
+        return parent_on and token.position < self.teacher.length and token.token == self.teacher.token(token.position)
+
+    def _forward(self, tokens: list[Token]) -> None:
+        """Every layer of the off-trajectory tokens at once: each sees the trajectory before its branch left it, its
+        off-trajectory ancestors and itself."""
+        base, kv_end = self.teacher.length, self.teacher.length + self.ring
+        mask = torch.zeros(len(tokens), kv_end, dtype=torch.bool)
+        for i, token in enumerate(tokens):
+            parent = self.off_path.get(token.parent) if token.parent is not None else None
+            record = _OffPath(base + self.next_slot, parent.diverged if parent else token.position, parent)
+            self.next_slot = (self.next_slot + 1) % self.ring
+            self.off_path[token] = record
+            mask[i, : record.diverged] = True
+            while record is not None:
+                mask[i, record.slot] = True
+                record = record.parent
+        device = self.target.device
+        positions = torch.tensor([t.position for t in tokens], device=device)
+        slots = torch.tensor([self.off_path[t].slot for t in tokens], device=device)
+        hidden = torch.cat([t.hidden for t in tokens], dim=1)
+        _, captured = self.target.run_layers(0, self.target.num_layers, hidden, positions, slots=slots, mask=mask,
+                                             capture=self.capture)
+        for b, token in enumerate(tokens):
+            self.off_path[token].states = {layer: h[:, b: b + 1] for layer, h in captured.items()}
+
+    def _teacher_state(self, layer: int, position: int) -> torch.Tensor:
+        return self.teacher.features[layer][:, position: position + 1]
+
+    def _advance(self, levels: list[Level]) -> int:
+        for level in levels:
+            lo, hi = self.bounds[level[0].depth]
+            for token in level:
+                record = self.off_path.get(token)
+                token.features.update({
+                    layer: record.states[layer] if record else self._teacher_state(layer, token.position)
+                    for layer in self.capture if lo < layer <= hi})
+                token.depth += 1
+        return sum(len(level) for level in levels)
+
+    def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
+        """The trajectory's next token decides: accepted iff it is a candidate (T=0: it is the argmax)."""
+        token = self.teacher.token(finished.position + 1)
+        chosen = next((t for t in candidates if t.token == token), None)
+        if sampler.greedy:
+            self.expected_accepts += chosen is not None
+        else:
+            p = sampler.probs(self.teacher.logits[finished.position])
+            self.expected_accepts += float(p[[t.token for t in candidates]].sum())
+        return chosen, token
+
+    def _flush(self, position: int) -> None:
+        """Trajectory KV stays; off-trajectory slots are reused by the ring."""
+
+    def _commit_slot(self, chosen: Token) -> None:
+        chosen.slot = chosen.position  # the drafter's cache keeps finished rows at their positions
+
+
+@dataclass
+class _OffPath:
+    """Where an off-trajectory token's KV lives in the target cache, where its branch left the trajectory, its
+    off-trajectory parent and its hidden states at every captured layer."""
+
+    slot: int
+    diverged: int
+    parent: _OffPath | None
+    states: dict[int, torch.Tensor] | None = None

@@ -10,6 +10,7 @@ from harness import checkpoints
 from harness.errors import HarnessError
 from methods.base import Generation, Method, register
 from methods.pipeline import PipelineEngine
+from methods.pipeline_replay import simulate
 from methods.sampling import Sampler
 from methods.speculator import Speculator, SpeculatorConfig
 
@@ -70,4 +71,4 @@ class SPD(Method):
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
                  ) -> Generation:
-        return self.engine.simulate(prompt_ids, trajectory, max_new_tokens, sampler)
+        return simulate(self.engine, prompt_ids, trajectory, max_new_tokens, sampler)

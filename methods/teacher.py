@@ -28,11 +28,13 @@ class Teacher:
 
     @classmethod
     def run(cls, target: TargetRuntime, prompt_ids: list[int], trajectory: list[int], capture: tuple[int, ...],
-            sampler: Sampler) -> Teacher:
+            sampler: Sampler, keep_cache: bool = False) -> Teacher:
+        """`keep_cache`: leave the trajectory's KV in the target's cache (for forwards of tokens off it)."""
         target.reset()
         ids = torch.tensor(prompt_ids + trajectory, device=target.device)
         logits, features = target.forward(ids, start=0, capture=capture)
-        target.reset()
+        if not keep_cache:
+            target.reset()
         return cls(len(prompt_ids), ids, logits, features, sampler)
 
     @property

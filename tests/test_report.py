@@ -16,7 +16,7 @@ def _row(method, params, dataset, schedule=None, draft=None, temperature=0.0, mo
         "steps": 8, "accepted": [0, 1, 2, 1, 0, 3, 2, 1], "position_accepts": [2, 1],
         "timing": {"decode": 1.0, "stages": 0.5, "drafter": 0.2, "verify_head": 0.1},
         "lossless": {"checked": True, "identical": True}, "baseline": {"new_tokens": 11, "timing": {"decode": 2.0}},
-        "stats": stats,
+        "stats": stats, "max_new_tokens": 16, "seed": 0, "dtype": "float32",
     }
 
 

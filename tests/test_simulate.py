@@ -1,6 +1,6 @@
 """Acceptance simulation (--simulate) equals executed decoding at T=0: same committed tokens, steps, accepted
-counts per step and per draft position, for SPD (both schedules), PPSD and EAGLE-3 chains and trees. Drafters are
-briefly fitted to the tiny target's own continuations, so accepts and rejects mix; at T=1 the expected acceptance
+counts per step and per draft position, for SPD (both schedules), PPSD and EAGLE-3, chains and trees. Drafters are
+briefly fitted to the tiny target's own continuations, so accepts and rejects mix; at T=1 the replayed acceptance
 tracks executed runs."""
 
 import random
@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from harness.errors import HarnessError
 from harness.objectives import segment_starts
 from harness.target import TargetRuntime
 from methods.autoregressive import Autoregressive
@@ -89,27 +88,32 @@ def _eagle(arch: str, m: int, width: int):
     return EAGLE3(target, EagleParams(m=m, width=width, ttt=m), set(), head=head)
 
 
-def _assert_same(method) -> int:
-    """Executed and simulated runs agree on every count; returns the accepted drafts (so a test can't be vacuous)."""
+def _assert_same(method, sampling: SamplingConfig = GREEDY, seed: int = 0) -> tuple[int, float]:
+    """Executed and simulated runs agree on every count (and mix accepts and rejects, so the test can't be vacuous);
+    returns the accepted drafts and the replay's expected accepts."""
     accepted = rejected = 0
+    expected = 0.0
     for prompt in PROMPTS:
-        executed = method.generate(prompt, NEW, Sampler(GREEDY))
-        simulated = method.simulate(prompt, executed.output_ids, NEW, Sampler(GREEDY))
+        executed = method.generate(prompt, NEW, Sampler(sampling, torch.Generator().manual_seed(seed)))
+        simulated = method.simulate(prompt, executed.output_ids, NEW,
+                                    Sampler(sampling, torch.Generator().manual_seed(seed)))
         assert simulated.output_ids == executed.output_ids
         assert simulated.steps == executed.steps
         assert simulated.accepted == executed.accepted
         assert simulated.position_accepts == executed.position_accepts
-        assert simulated.stats["expected_accepts"] == pytest.approx(sum(executed.position_accepts))
+        if sampling.greedy:
+            assert simulated.stats["expected_accepts"] == pytest.approx(sum(executed.position_accepts))
         for key in ("fill_drafts", "stage_runs", "drafter_calls", "verifications", "candidates"):
             if key in executed.stats and not (key == "candidates" and method.params.width > 1):
                 assert simulated.stats[key] == executed.stats[key], key
         accepted += sum(executed.position_accepts)
+        expected += simulated.stats["expected_accepts"]
         if "fill_drafts" in executed.stats:  # pipeline: verified drafts that were rejected
             rejected += sum(executed.stats["fill_drafts"]) - sum(executed.position_accepts)
         else:  # draft-then-verify: rounds that stopped before the last draft
             rejected += sum(1 for count in executed.accepted if count <= method.params.m)
     assert accepted > 0 and rejected > 0, "the fitted drafter must mix accepts and rejects"
-    return accepted
+    return accepted, expected
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
@@ -127,10 +131,27 @@ def test_eagle_simulation_equals_execution(arch, m, width):
     _assert_same(_eagle(arch, m, width))
 
 
-def test_pipeline_trees_are_refused_with_a_clear_error():
-    method = _pipeline("llama", SPD, 2, "input", 1, width=4)
-    with pytest.raises(HarnessError, match="without --simulate"):
-        method.simulate(PROMPTS[0], [1, 2, 3], NEW, Sampler(GREEDY))
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("method, n, schedule, ls", [
+    (SPD, 2, "input", 2), (SPD, 4, "input", 1), (SPD, 3, "output", 2), (PPSD, 4, "output", 1),
+])
+def test_pipeline_tree_simulation_equals_execution(arch, method, n, schedule, ls):
+    _assert_same(_pipeline(arch, method, n, schedule, ls, width=4))
+
+
+@pytest.mark.parametrize("build", [lambda: _pipeline("llama", SPD, 3, "input", 2, width=4),
+                                   lambda: _pipeline("qwen3", PPSD, 2, "output", 1, width=4),
+                                   lambda: _eagle("llama", 3, 4)], ids=["spd", "ppsd", "eagle3"])
+def test_sampled_tree_simulation_replays_the_executed_run(build):
+    """Tree drafts are deterministic and the sibling rule accepts iff the token it emits is a candidate, so replayed
+    on the executed run's own sampled output a tree run is reproduced exactly at T>0 too; the expected accepts
+    (p of the candidates per verification, pipeline) track the realised ones."""
+    method = build()
+    accepted, expected = 0, 0.0
+    for seed in range(4):
+        counts = _assert_same(method, SamplingConfig(0.5), seed)
+        accepted, expected = accepted + counts[0], expected + counts[1]
+    assert abs(expected - accepted) <= 3 * expected ** 0.5  # within three standard deviations of a Poisson count
 
 
 def _acceptance(generation) -> tuple[int, int]:

@@ -86,6 +86,27 @@ def test_one_teacher_pass_trains_spd_and_eagle3_heads_that_then_decode(tiny_dir,
         assert all(r["lossless"]["identical"] for r in rows)
         assert rows[0]["stats"]["draft"] == {"num_layers": 4, "ls": 1, "m": 2, "width": int(width)}
     _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path)
+    _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path)
+
+
+def _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path):
+    """`check --rerun` runs a baseline's configurations again (same prompts, seed, lengths) and passes; a
+    configuration whose drafter is not in the cache is listed with its train command and fails as missing."""
+    baseline = tmp_path / "baseline.json"
+    write = ["check", "--baseline", str(baseline), "--results", str(tmp_path / "eagle3-4.jsonl"), "--write"]
+    assert CliRunner().invoke(main, write).exit_code == 0
+    (entry,) = json.loads(baseline.read_text())
+    assert entry["run"]["samples"] == {"gsm8k": [0, 1]} and entry["run"]["params"]["width"] == 4
+    rerun = ["check", "--baseline", str(baseline), "--rerun", "--model", str(tiny_dir), "--data-dir", str(eval_dir),
+             "--results", str(tmp_path / "rerun"), "--tolerance", "0"]
+    result = CliRunner().invoke(main, rerun)
+    assert result.exit_code == 0 and "all configurations pass" in result.output, result.output
+    assert len((tmp_path / "rerun" / tiny_dir.name / "eagle3.jsonl").read_text().splitlines()) == 2
+    entry["run"]["params"]["ttt"], entry["label"], entry["config_key"] = 5, "untrained head", "other"
+    baseline.write_text(json.dumps([entry]))
+    result = CliRunner().invoke(main, rerun[:-4])  # a fresh temporary folder
+    assert result.exit_code == 1 and "no drafter; train it with: spd-bench train --method eagle3" in result.output
+    assert "missing" in result.output
 
 
 def _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path):
@@ -97,8 +118,7 @@ def _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path):
     result = CliRunner().invoke(main, sweep)
     assert result.exit_code == 1, result.output
     assert "no drafter; train it with: spd-bench train --method ppsd --n 3 --ls 1 --schedule output" in result.output
-    assert "simulating pipeline draft trees" in result.output  # ppsd width 4 cannot be simulated
-    assert "3 of 6 configurations complete (3 ran now)" in result.output
+    assert "4 of 6 configurations complete (4 ran now)" in result.output
     simulated = [json.loads(line) for f in (tmp_path / "sweep").rglob("eagle3.jsonl") for line in f.open()]
     assert len(simulated) == 4 and all(r["simulated"] and not r["lossless"]["checked"] for r in simulated)
     for width in ("1", "4"):
