@@ -22,7 +22,6 @@ from harness.results import ResultStore
 from harness.runner import RunConfig, Runner, default_out, load_prompts, validate
 from harness.sweep import missing_drafter
 
-
 MIN_ACCEPTS = 20
 
 
@@ -154,8 +153,9 @@ def compare(baseline: list[Expected], summaries: list[Summary], tolerance: float
 
 
 def table(outcomes: list[Outcome]) -> str:
-    lines = ["| config | baseline tokens/step | current | change | baseline acceptance | current | change | lossless "
-             "| verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| config | baseline tokens/step | current | change | baseline acceptance | current | change | lossless "
+              "| verdict |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         e = o.expected
         lines.append(f"| {e.label} | {_pair(e.tokens_per_step, o.current)} | {_pair(e.acceptance, o.acceptance)} "

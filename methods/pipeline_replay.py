@@ -1,5 +1,5 @@
 """Acceptance simulation of the pipeline engine: chains (width 1) from batched drafter forwards plus a replay of the
-engine's cycle accounting; draft trees (width > 1, T=0) by the engine's own cycles on teacher-forced target states.
+engine's cycle accounting; draft trees (width > 1) by the engine's own cycles on teacher-forced target states.
 
 When the drafter runs for the newest token T, the tokens in flight are T-f .. T (f: the fill level) at depths
 q+T-T' (q: query depth, 0 for the input schedule, 1 for output), and everything before T-f is finished. Only
@@ -13,17 +13,18 @@ Trees: which children of a trajectory token survive depends on the draft scores 
 those need target states too. `TreeReplay` runs the engine's cycles (drafting, pruning, verification rule, counters)
 but no stages: a trajectory token's states come from the teacher pass, and a token off it gets all its layers in
 one forward when it is drafted (its ancestors' KV is there by then), in a ring of slots above the trajectory. Every
-decision is the engine's own, so T=0 is exact; the cost is one forward of the off-trajectory drafts per cycle.
+decision is the engine's own, so T=0 is exact; the cost is one forward of the off-trajectory drafts per cycle. Once
+the flush ahead is certain (the trajectory left the tree after single-token levels), nothing drafted until then can
+change an outcome: those cycles draft placeholders and cost nothing, so stage runs are not counted.
 Tree drafts are deterministic at any T, and the sibling rule emits a sample of p and accepts iff it is a candidate,
-so at T>0 the replay on a sampled AR trajectory is itself a sample of the executed process; its expected acceptance
-adds p(candidates) at each verification.
+so at T>0 the replay on a sampled AR trajectory is itself a sample of the executed process, and its expected
+acceptance is the realised one (p of the candidates would need the sibling sets that skipped cycles prune).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -45,9 +46,9 @@ def simulate(engine: PipelineEngine, prompt_ids: list[int], trajectory: list[int
         return replay_cycles(fill_state_accepts(engine.speculator, teacher), teacher, config.n, config.schedule,
                              max_new_tokens, engine.stop_ids, engine.shape())
     teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler, keep_cache=True)
-    replay = TreeReplay(engine, teacher)
-    generation = replay.decode(prompt_ids, max_new_tokens, sampler)
-    generation.stats["expected_accepts"] = replay.expected_accepts
+    generation = TreeReplay(engine, teacher).decode(prompt_ids, max_new_tokens, sampler)
+    generation.stats["expected_accepts"] = float(sum(generation.position_accepts))  # the realised ones, see above
+    del generation.stats["stage_runs"]  # cycles before a certain flush draft placeholders
     return generation
 
 
@@ -160,8 +161,11 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
     )
 
 
+PLACEHOLDER = -1  # token id of a draft made after the trajectory left the tree (flushed before it is verified)
+
+
 class TreeReplay(PipelineEngine):
-    """The engine with stage compute and verification read from the teacher pass (greedy trees)."""
+    """The engine with stage compute and verification read from the teacher pass (draft trees)."""
 
     def __init__(self, engine: PipelineEngine, teacher: Teacher):
         super().__init__(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class)
@@ -172,7 +176,6 @@ class TreeReplay(PipelineEngine):
             raise HarnessError(f"the target cache holds {self.target.max_len} slots, but the replay needs "
                                f"{teacher.length + self.ring}; build the runtime with a larger max_len")
         self.off_path: weakref.WeakKeyDictionary[Token, _OffPath] = weakref.WeakKeyDictionary()
-        self.expected_accepts = 0.0  # summed acceptance probability of the verifications
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         return self._decode(prompt_ids, max_new_tokens, sampler)
@@ -191,6 +194,26 @@ class TreeReplay(PipelineEngine):
         if off:
             self._forward(off)
         return level
+
+    def _draft(self, drafter, run, sampler: Sampler) -> Level:
+        if self._flush_is_certain(run.in_flight):  # one placeholder per leaf, so nothing is pruned
+            return [Token(leaf.position + 1, PLACEHOLDER, 0, None, parent=leaf) for leaf in run.in_flight[-1]]
+        return super()._draft(drafter, run, sampler)
+
+    def _flush_is_certain(self, levels: list[Level]) -> bool:
+        """The trajectory left the tree at a level after single-token levels only: a single token is the ancestor of
+        every later draft, so pruning never removes it; those levels accept and that one rejects, whatever else is
+        drafted. (A trajectory token among siblings could still lose all its descendants to their scores.)"""
+        for level in levels:
+            if not any(self._traced(t) for t in level):
+                return True
+            if len(level) > 1:
+                return False
+        return False
+
+    def _traced(self, token: Token) -> bool:
+        """Is the token on the trajectory (with teacher states)?"""
+        return token.token != PLACEHOLDER and token not in self.off_path
 
     def _on_path(self, token: Token) -> bool:
         """Is the token's branch the trajectory up to and including it (with teacher states there)?"""
@@ -227,23 +250,19 @@ class TreeReplay(PipelineEngine):
         for level in levels:
             lo, hi = self.bounds[level[0].depth]
             for token in level:
+                token.depth += 1
+                if token.token == PLACEHOLDER:
+                    continue
                 record = self.off_path.get(token)
                 token.features.update({
                     layer: record.states[layer] if record else self._teacher_state(layer, token.position)
                     for layer in self.capture if lo < layer <= hi})
-                token.depth += 1
         return sum(len(level) for level in levels)
 
     def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
         """The trajectory's next token decides: accepted iff it is a candidate (T=0: it is the argmax)."""
         token = self.teacher.token(finished.position + 1)
-        chosen = next((t for t in candidates if t.token == token), None)
-        if sampler.greedy:
-            self.expected_accepts += chosen is not None
-        else:
-            p = sampler.probs(self.teacher.logits[finished.position])
-            self.expected_accepts += float(p[[t.token for t in candidates]].sum())
-        return chosen, token
+        return next((t for t in candidates if t.token == token), None), token
 
     def _flush(self, position: int) -> None:
         """Trajectory KV stays; off-trajectory slots are reused by the ring."""

@@ -88,11 +88,9 @@ def _eagle(arch: str, m: int, width: int):
     return EAGLE3(target, EagleParams(m=m, width=width, ttt=m), set(), head=head)
 
 
-def _assert_same(method, sampling: SamplingConfig = GREEDY, seed: int = 0) -> tuple[int, float]:
-    """Executed and simulated runs agree on every count (and mix accepts and rejects, so the test can't be vacuous);
-    returns the accepted drafts and the replay's expected accepts."""
+def _assert_same(method, sampling: SamplingConfig = GREEDY, seed: int = 0) -> None:
+    """Executed and simulated runs agree on every count, and accepts and rejects mix (so the test can't be vacuous)."""
     accepted = rejected = 0
-    expected = 0.0
     for prompt in PROMPTS:
         executed = method.generate(prompt, NEW, Sampler(sampling, torch.Generator().manual_seed(seed)))
         simulated = method.simulate(prompt, executed.output_ids, NEW,
@@ -101,19 +99,17 @@ def _assert_same(method, sampling: SamplingConfig = GREEDY, seed: int = 0) -> tu
         assert simulated.steps == executed.steps
         assert simulated.accepted == executed.accepted
         assert simulated.position_accepts == executed.position_accepts
-        if sampling.greedy:
+        if sampling.greedy or method.params.width > 1:  # certain outcomes, or trees' realised acceptance
             assert simulated.stats["expected_accepts"] == pytest.approx(sum(executed.position_accepts))
         for key in ("fill_drafts", "stage_runs", "drafter_calls", "verifications", "candidates"):
-            if key in executed.stats and not (key == "candidates" and method.params.width > 1):
+            if key in simulated.stats:  # tree replays leave out what they skip: stage runs, candidates
                 assert simulated.stats[key] == executed.stats[key], key
         accepted += sum(executed.position_accepts)
-        expected += simulated.stats["expected_accepts"]
         if "fill_drafts" in executed.stats:  # pipeline: verified drafts that were rejected
             rejected += sum(executed.stats["fill_drafts"]) - sum(executed.position_accepts)
         else:  # draft-then-verify: rounds that stopped before the last draft
             rejected += sum(1 for count in executed.accepted if count <= method.params.m)
     assert accepted > 0 and rejected > 0, "the fitted drafter must mix accepts and rejects"
-    return accepted, expected
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
@@ -144,14 +140,10 @@ def test_pipeline_tree_simulation_equals_execution(arch, method, n, schedule, ls
                                    lambda: _eagle("llama", 3, 4)], ids=["spd", "ppsd", "eagle3"])
 def test_sampled_tree_simulation_replays_the_executed_run(build):
     """Tree drafts are deterministic and the sibling rule accepts iff the token it emits is a candidate, so replayed
-    on the executed run's own sampled output a tree run is reproduced exactly at T>0 too; the expected accepts
-    (p of the candidates per verification, pipeline) track the realised ones."""
+    on the executed run's own sampled output a tree run is reproduced exactly at T>0 too."""
     method = build()
-    accepted, expected = 0, 0.0
-    for seed in range(4):
-        counts = _assert_same(method, SamplingConfig(0.5), seed)
-        accepted, expected = accepted + counts[0], expected + counts[1]
-    assert abs(expected - accepted) <= 3 * expected ** 0.5  # within three standard deviations of a Poisson count
+    for seed in range(3):
+        _assert_same(method, SamplingConfig(0.5), seed)
 
 
 def _acceptance(generation) -> tuple[int, int]:

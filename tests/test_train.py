@@ -89,7 +89,7 @@ def test_one_teacher_pass_trains_spd_and_eagle3_heads_that_then_decode(tiny_dir,
     _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path)
 
 
-def _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path):
+def _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path):  # noqa: F811
     """`check --rerun` runs a baseline's configurations again (same prompts, seed, lengths) and passes; a
     configuration whose drafter is not in the cache is listed with its train command and fails as missing."""
     baseline = tmp_path / "baseline.json"
@@ -109,7 +109,7 @@ def _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path):
     assert "missing" in result.output
 
 
-def _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path):
+def _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path):  # noqa: F811
     """A simulated sweep over the drafters just trained: the same accepted counts as the executed runs (T=0),
     resumable, and the point without a drafter listed with its train command (exit 1)."""
     sweep = ["sweep", "--method", "ppsd,eagle3", "--n", "2,3", "--m", "2", "--ttt", "3", "--width", "1,4",
