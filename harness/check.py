@@ -113,7 +113,10 @@ def rerun(baseline: list[Expected], results: Path, model: str | None, device: st
             continue
         store = ResultStore(default_out(config, loaded.identity.name, results))
         store.load()
-        Runner(config, loaded).run(samples, store)
+        try:
+            Runner(config, loaded).run(samples, store)
+        except HarnessError as exc:  # this model or mode cannot run it (e.g. trees on linear attention)
+            problems.append(f"{expected.label}: {exc}")
     return problems
 
 
