@@ -1,5 +1,5 @@
-"""Report figures (matplotlib, PNG): acceptance by draft position / fill level, accepted-length histograms and
-theoretical vs measured speedups per configuration."""
+"""Report figures (matplotlib, PNG): acceptance by draft position / fill level, accepted-length histograms,
+theoretical vs measured speedups per executed configuration, and theoretical speedup over n and over Ls."""
 
 from __future__ import annotations
 
@@ -14,65 +14,86 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from harness.metrics import Summary, find  # noqa: E402
 
 
-def label(s: Summary) -> str:
-    params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()) if k != "schedule" or v != "input")
-    return f"{s.method} {params} T={s.temperature:g}".replace("  ", " ")
+def _name(s: Summary) -> str:
+    """Method and parameters, without the width and the default input schedule."""
+    params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items())
+                      if k != "width" and (k != "schedule" or v != "input"))
+    return f"{s.method} {params}".strip()
+
+
+def _label(s: Summary) -> str:
+    return f"{_name(s)} width={s.width} T={s.temperature:g}"
+
+
+def _preferred(summaries: list[Summary]) -> list[Summary]:
+    """One summary per configuration: the executed one where it was also simulated."""
+    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset) for s in summaries)
+    return list({id(s): s for s in chosen}.values())
 
 
 def acceptance(summaries: list[Summary], path: Path) -> Path | None:
-    """Acceptance rate per fill level (pipeline) or draft position (EAGLE-3), one line per configuration."""
-    shown = [s for s in summaries if s.fill_drafts]
-    if not shown:
+    """Acceptance rate per fill level (pipeline) or draft position (EAGLE-3): one row of panels per (T, width), one
+    line per configuration."""
+    shown = [s for s in _preferred(summaries) if s.fill_drafts]
+    panels = _panels(shown)
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, kind, xlabel in ((axes[0], "pipeline", "pipeline fill level"), (axes[1], "draft", "draft position")):
-        for s in shown:
-            if getattr(s, kind) is not None:
-                rates = [float("nan") if a is None else a for a in s.fill_acceptance]
-                ax.plot(range(len(rates)), rates, marker="o", label=label(s))
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    axes[0].set_ylabel("acceptance rate")
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 3.6 * len(panels)), squeeze=False)
+    for (t, w), row in zip(panels, axes):
+        for ax, kind, xlabel in ((row[0], "pipeline", "pipeline fill level"), (row[1], "draft", "draft position")):
+            for s in shown:
+                if (s.temperature, s.width) == (t, w) and getattr(s, kind) is not None:
+                    rates = [float("nan") if a is None else a for a in s.fill_acceptance]
+                    ax.plot(range(len(rates)), rates, marker="o", label=_name(s))
+            ax.set_title(f"T={t:g}, width {w}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("acceptance rate")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
 def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
-    """Histogram of tokens committed per step (cycle or round), per configuration, T=0 records."""
-    groups: dict[str, Counter] = {}
+    """Histogram of tokens committed per round of the draft-then-verify methods (a pipeline cycle commits at most
+    one), T=0, from executed records where the configuration was also simulated."""
+    groups: dict[str, dict[bool, Counter]] = {}
     for row in rows:
-        if row["method"] != "autoregressive" and row["temperature"] == 0:
+        if row["temperature"] == 0 and row.get("stats", {}).get("draft"):
             name = f"{row['method']} " + " ".join(f"{k}={v}" for k, v in sorted(row["params"].items()))
-            groups.setdefault(name, Counter()).update(a for a in row["accepted"] if a > 0)
+            counts = groups.setdefault(name, {}).setdefault(bool(row.get("simulated")), Counter())
+            counts.update(a for a in row["accepted"] if a > 0)
     if not groups:
         return None
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(groups)
-    for i, (name, counts) in enumerate(sorted(groups.items())):
+    for i, (name, kinds) in enumerate(sorted(groups.items())):
+        counts = kinds[min(kinds)]  # executed (False) before simulated (True)
         total = sum(counts.values())
         xs = sorted(counts)
         ax.bar([x + i * width for x in xs], [counts[x] / total for x in xs], width=width, label=name)
-    ax.set_xlabel("tokens committed per step (steps that committed any)")
-    ax.set_ylabel("share of steps")
+    ax.set_xlabel("tokens committed per round")
+    ax.set_ylabel("share of rounds")
     ax.legend(fontsize=7)
     return _save(fig, path)
 
 
 def speedups(summaries: list[Summary], path: Path) -> Path | None:
-    """Theoretical, modeled multi-device and wall-clock speedup per configuration (overall rows)."""
-    shown = [s for s in summaries if s.method != "autoregressive" and s.theoretical_speedup is not None]
+    """Theoretical, modeled multi-device and wall-clock speedup per executed configuration (overall rows)."""
+    shown = [s for s in summaries
+             if s.method != "autoregressive" and not s.simulated and s.theoretical_speedup is not None]
     if not shown:
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shown)), 4.5))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(shown)))
     kinds = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"), ("wall-clock", "wall_clock_speedup"))
     for k, (name, attr) in enumerate(kinds):
         values = [getattr(s, attr) or 0.0 for s in shown]
-        ax.bar([i + (k - 1) * 0.27 for i in range(len(shown))], values, width=0.27, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(shown)), [label(s) for s in shown], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("speedup over AR")
-    ax.legend()
+        ax.barh([i + (k - 1) * 0.27 for i in range(len(shown))], values, height=0.27, label=name)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(shown)), [_label(s) for s in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over AR")
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 
@@ -148,6 +169,6 @@ def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # legends placed beside the axes stay in the picture
     plt.close(fig)
     return path

@@ -193,8 +193,9 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
                                             "tokens/step sim", "acceptance exec", "acceptance sim",
                                             "expected acceptance sim"], rows,
                   "the same configuration decoded and replayed (`--simulate`): equal at T=0 on the same prompts; at "
-                  "T>0 the replay accepts each draft with the verifier's probability sum_x min(p, q) along a sampled "
-                  "AR trajectory, and the expected acceptance is the mean of those probabilities")]
+                  "T>0 a chain replay accepts each draft with the verifier's probability sum_x min(p, q) along a "
+                  "sampled AR trajectory and the expected acceptance is the mean of those probabilities, while a tree "
+                  "replay (width > 1) is itself a sample of the executed process (expected = realised)")]
 
 
 def lossless_table(overall: list[Summary]) -> list[Table]:
@@ -300,7 +301,7 @@ def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, rel
         "Theoretical speedup vs n": figures.speedup_over_n(overall, folder / "speedup_over_n.png"),
         "SPD over Ls": figures.spd_over_ls(overall, folder / "spd_over_ls.png"),
         "Acceptance by fill level / draft position": figures.acceptance(overall, folder / "acceptance.png"),
-        "Tokens committed per step (T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
-        "Speedups per configuration": figures.speedups(overall, folder / "speedups.png"),
+        "Tokens committed per round (draft-then-verify, T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
+        "Speedups per executed configuration": figures.speedups(overall, folder / "speedups.png"),
     }
     return {title: str(path.relative_to(relative_to)) for title, path in made.items() if path is not None}

@@ -38,7 +38,7 @@ def test_report_blocks_ablation_speedups_and_figures(tmp_path):
     # no humaneval records: "—", and the mean is over the datasets present
     assert "| spd ls=4 n=8 schedule=input | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x | — | 1.25 · 9.38 · 9.38x |" in text
     assert "| spd n=8 ls=4 | 1 | 0 | 1.25 | 1.25 | 9.38 | 4.69 |" in text  # the ablation row
-    assert "![Speedups per configuration](figures/speedups.png)" in text
+    assert "![Speedups per executed configuration](figures/speedups.png)" in text
 
 
 def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells():
