@@ -67,11 +67,14 @@ def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(groups)
+    lengths: set[int] = set()
     for i, (name, kinds) in enumerate(sorted(groups.items())):
         counts = kinds[min(kinds)]  # executed (False) before simulated (True)
         total = sum(counts.values())
         xs = sorted(counts)
+        lengths.update(xs)
         ax.bar([x + i * width for x in xs], [counts[x] / total for x in xs], width=width, label=name)
+    ax.set_xticks([x + (len(groups) - 1) * width / 2 for x in sorted(lengths)], sorted(lengths))
     ax.set_xlabel("tokens committed per round")
     ax.set_ylabel("share of rounds")
     ax.legend(fontsize=7)
