@@ -173,8 +173,8 @@ class TreeReplay(PipelineEngine):
         self.ring = engine.width * (engine.config.n + 1)  # a drafted token lives at most n cycles, W drafted per cycle
         self.next_slot = 0
         if teacher.length + self.ring > self.target.max_len:
-            raise HarnessError(f"the target cache holds {self.target.max_len} slots, but the replay needs "
-                               f"{teacher.length + self.ring}; build the runtime with a larger max_len")
+            raise HarnessError(f"the tree replay needs {teacher.length + self.ring} target cache slots but the runtime "
+                               f"holds {self.target.max_len}; use a smaller --width or --n")
         self.off_path: weakref.WeakKeyDictionary[Token, _OffPath] = weakref.WeakKeyDictionary()
 
     def decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
@@ -190,7 +190,7 @@ class TreeReplay(PipelineEngine):
     def _new_tokens(self, position: int, tokens: list[int], parents: list, scores: list[float], fill: int,
                     q: torch.Tensor | None = None) -> Level:
         level = super()._new_tokens(position, tokens, parents, scores, fill, q)
-        off = [t for t in level if not self._on_path(t)]
+        off = [t for t in level if not self._follows_trajectory(t)]
         if off:
             self._forward(off)
         return level
@@ -205,17 +205,17 @@ class TreeReplay(PipelineEngine):
         every later draft, so pruning never removes it; those levels accept and that one rejects, whatever else is
         drafted. (A trajectory token among siblings could still lose all its descendants to their scores.)"""
         for level in levels:
-            if not any(self._traced(t) for t in level):
+            if not any(self._on_trajectory(t) for t in level):
                 return True
             if len(level) > 1:
                 return False
         return False
 
-    def _traced(self, token: Token) -> bool:
+    def _on_trajectory(self, token: Token) -> bool:
         """Is the token on the trajectory (with teacher states)?"""
         return token.token != PLACEHOLDER and token not in self.off_path
 
-    def _on_path(self, token: Token) -> bool:
+    def _follows_trajectory(self, token: Token) -> bool:
         """Is the token's branch the trajectory up to and including it (with teacher states there)?"""
         parent_on = token.parent is None or token.parent not in self.off_path
         return parent_on and token.position < self.teacher.length and token.token == self.teacher.token(token.position)
