@@ -26,8 +26,8 @@ def _label(s: Summary) -> str:
 
 
 def _preferred(summaries: list[Summary]) -> list[Summary]:
-    """One summary per configuration: the executed one where it was also simulated."""
-    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset) for s in summaries)
+    """One summary per model and configuration: the executed one where it was also simulated."""
+    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset, s.model) for s in summaries)
     return list({id(s): s for s in chosen}.values())
 
 

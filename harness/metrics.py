@@ -166,10 +166,12 @@ def _group(row: dict) -> tuple:
     return row["config_key"], row["method"], row["model"]["name"], row["temperature"]
 
 
-def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL
-         ) -> Summary | None:
-    """The summary matching a configuration (see Summary.matches), executed runs before simulated ones."""
-    found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature)]
+def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL,
+         model: str | None = None) -> Summary | None:
+    """The summary matching a configuration (see Summary.matches) on `model` (default: any), executed runs before
+    simulated ones."""
+    found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature)
+             and model in (None, s.model)]
     return min(found, key=lambda s: s.simulated) if found else None
 
 

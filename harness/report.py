@@ -154,12 +154,11 @@ def acceptance_tables(overall: list[Summary]) -> list[Table]:
 
 
 def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> float | None:
-    candidates = [s for s in summaries if s.model == model]
     if ref.dataset == MEAN:
-        cells = [find(candidates, ref.method, ref.params, ref.temperature, d) for d in DATASETS]
+        cells = [find(summaries, ref.method, ref.params, ref.temperature, d, model) for d in DATASETS]
         values = [getattr(c, ref.metric) for c in cells if c is not None]
         return sum(values) / len(values) if len(values) == len(DATASETS) and None not in values else None
-    found = find(candidates, ref.method, ref.params, ref.temperature, ref.dataset)
+    found = find(summaries, ref.method, ref.params, ref.temperature, ref.dataset, model)
     return None if found is None else getattr(found, ref.metric)
 
 

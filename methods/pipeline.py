@@ -156,9 +156,10 @@ class PipelineEngine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         self.target.reset()
-        return self._decode(prompt_ids, max_new_tokens, sampler)
+        return self.decode(prompt_ids, max_new_tokens, sampler)
 
-    def _decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        """One generation on the target's cache as it is (`generate` starts it empty; a replay keeps its teacher KV)."""
         drafter = self.drafter_class(self.speculator, self.target.max_len)
         timer = Timer(self.target.device)
         with timer("prefill"):

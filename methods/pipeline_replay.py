@@ -177,9 +177,6 @@ class TreeReplay(PipelineEngine):
                                f"holds {self.target.max_len}; use a smaller --width or --n")
         self.off_path: weakref.WeakKeyDictionary[Token, _OffPath] = weakref.WeakKeyDictionary()
 
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        return self._decode(prompt_ids, max_new_tokens, sampler)
-
     def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
         n, start = self.config.n, self.teacher.prompt_len
         rows = [Token(p, t, n, None, {layer: self._teacher_state(layer, p) for layer in self.capture})
