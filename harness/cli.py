@@ -134,6 +134,33 @@ def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, tempera
 
 
 @main.command()
+@click.option("--method", default="spd", show_default=True, type=click.Choice(["spd", "ppsd"]))
+@click.option("--n", type=int, default=None, help="Pipeline stages.")
+@click.option("--ls", type=int, default=None, help="Drafter decoder layers.")
+@click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule.")
+@prompt_options
+@click.option("--checkpoint", default=None, help="Drafter checkpoint folder (default: the cache).")
+def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate,
+           checkpoint):
+    """Train/decode parity of a pipeline drafter: its top-1 per (position, fill level) on the greedy AR output, through
+    the training layout, the decoding engine and the replay; exits 1 on any disagreement beyond near-ties."""
+    from harness.parity import check as parity_check
+    from harness.parity import table
+    from harness.runner import RunConfig
+
+    if simulate:
+        raise click.UsageError("parity always compares the engine with the training layout; drop --simulate")
+    named = {"n": n, "ls": ls, "schedule": schedule}
+    config = RunConfig(method=method, params={k: v for k, v in named.items() if v is not None}, model=model,
+                       datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device,
+                       dtype=dtype, data_dir=data_dir, checkpoint=checkpoint)
+    found = parity_check(config)
+    click.echo(table(found))
+    if found.disagree:
+        raise SystemExit(1)
+
+
+@main.command()
 @click.option("--preset", type=click.Choice(["paper"]), default=None,
               help="paper: EAGLE-3 m 3/7/15, PPSD n 4/8/16, SPD n 4/8/16 x Ls 1-4 (+ output ablation), T 0/1, width 1/4.")
 @click.option("--method", "methods", default=None, help="Comma list of methods (instead of --preset).")
@@ -152,7 +179,8 @@ def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values,
     """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
     from harness.paper import paper_grid
     from harness.runner import RunConfig
-    from harness.sweep import grid, sweep as run_sweep
+    from harness.sweep import grid
+    from harness.sweep import sweep as run_sweep
 
     if (preset is None) == (methods is None):
         raise click.UsageError("pass either --preset paper or --method LIST")
@@ -326,12 +354,14 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
               help="Draft vocabulary size by corpus frequency (0: full vocabulary).")
 @click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
+@click.option("--val-prompts", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Held-out prompts decoded greedily once; validation replays decoding on them (0: text top-1 only).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of each drafter.")
 @model_option
 @device_option
 @dtype_option
 def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, batch_size, lr, draft_vocab, save_every,
-          resume, model, device, dtype):
+          val_prompts, resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
@@ -340,10 +370,12 @@ def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, ba
     shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
                                                 ("m", m_values)) if v is not None)
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
-                         draft_vocab=draft_vocab, save_every=save_every, device=device, dtype=dtype, resume=resume,
+                         draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, device=device,
+                         dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
-                                  f"--draft-vocab {draft_vocab} --model {model} --device {device}"
+                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --model {model} "
+                                  f"--device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):
         click.echo(f"checkpoint: {folder}")

@@ -14,6 +14,7 @@ from harness.errors import HarnessError
 
 DATASETS = ("mt_bench", "gsm8k", "humaneval")
 DATA_ENV = "SPD_BENCH_DATA"
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "eval"  # the paper's 80-prompt sets (data/eval/README.md)
 HUMANEVAL_PREFIX = "Complete the code I provided.\n\n"  # the paper's HumanEval prompts start this way
 
 
@@ -116,11 +117,14 @@ def data_dir(explicit: str | Path | None) -> Path | None:
 
 
 def load_samples(name: str, folder: str | Path | None = None, limit: int | None = None) -> list[Sample]:
-    """The first `limit` prompts of a dataset: --data-dir / $SPD_BENCH_DATA, then packages, then the hub."""
+    """The first `limit` prompts of a dataset: --data-dir / $SPD_BENCH_DATA, then the shipped sets, then packages,
+    then the hub."""
     if name not in DATASETS:
         raise HarnessError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     local = data_dir(folder)
     samples = _from_folder(name, local) if local else None
+    if samples is None:
+        samples = _from_folder(name, SHIPPED)
     if samples is None:
         samples = _from_package(name)
     if samples is None:

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from methods.base import Generation
 from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
+from methods.eagle_replay import chain_accepts, replay_rounds
+from methods.pipeline_replay import fill_state_accepts, replay_cycles
 from methods.speculator import Speculator, SpeculatorConfig, unrolled_logits
 
 TTT_DECAY = 0.8  # loss weight of training-time-test step k is TTT_DECAY ** (k - 1)
@@ -81,6 +84,11 @@ class PipelineSpec:
                               for _ in range(ids.shape[0])]).to(ids.device)
         return [Prediction(unrolled_logits(module, features, starts), 0, 1.0, fill_levels(starts, self.n))]
 
+    def replay(self, module: Speculator, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
+        """Decoding's cycles on a trajectory (the exact `--simulate` replay)."""
+        return replay_cycles(fill_state_accepts(module, teacher), teacher, self.n, self.schedule, max_new_tokens,
+                             stop_ids, {})
+
 
 @dataclass
 class EagleSpec:
@@ -114,3 +122,7 @@ class EagleSpec:
         steps = ttt_logits(module, features, ids, min(self.ttt, size - 1))
         return [Prediction(logits[:, : size - k], k, TTT_DECAY ** (k - 1), k - 1)
                 for k, logits in enumerate(steps, start=1)]
+
+    def replay(self, module: EagleHead, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
+        """Chain rounds of `ttt` drafts on a trajectory (the exact `--simulate` replay)."""
+        return replay_rounds(chain_accepts(module, teacher, self.ttt), teacher, self.ttt, max_new_tokens, stop_ids, {})

@@ -146,7 +146,7 @@ class Runner:
         self.references = ReferenceCache(loaded.identity, config.dtype_name, loaded.device.type)
         self.target: TargetRuntime | None = None
 
-    def _method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
+    def load_method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
         if self.target is None:
             max_len = max(len(p) for p in prompts) + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
             self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity)
@@ -163,8 +163,8 @@ class Runner:
         if not todo:
             return 0
         prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
-        method = self._method(self.config.method, self.config.params, prompts)
-        reference = self._method(REFERENCE_METHOD, {}, prompts)
+        method = self.load_method(self.config.method, self.config.params, prompts)
+        reference = self.load_method(REFERENCE_METHOD, {}, prompts)
         with torch.inference_mode():
             if not self.config.simulate:
                 for warm in (method, reference):  # first calls pay one-off allocation costs; keep them out of timings
@@ -197,12 +197,12 @@ class Runner:
         """The method's acceptance replayed on the AR output for this prompt and seed (greedy: the cached one)."""
         seed = sample_seed(self.config.seed, sample)
         if self.sampling.greedy:
-            trajectory = self._greedy_reference(prompt, reference)
+            trajectory = self.greedy_reference(prompt, reference)
         else:
             trajectory = reference.generate(prompt, self.config.max_new_tokens, self._sampler(seed)).output_ids
         return method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
 
-    def _greedy_reference(self, prompt: list[int], reference: Method) -> list[int]:
+    def greedy_reference(self, prompt: list[int], reference: Method) -> list[int]:
         """Greedy AR output for the prompt: from the reference cache, else decoded now and cached."""
         expected = self.references.get(prompt, self.config.max_new_tokens)
         if expected is None:
@@ -236,7 +236,7 @@ class Runner:
         own = output if self.config.method == REFERENCE_METHOD else baseline and baseline.output_ids
         if own and self.references.get(prompt, self.config.max_new_tokens) is None:
             self.references.put(prompt, self.config.max_new_tokens, own)
-        return compare(self.target, prompt, output, self._greedy_reference(prompt, reference_method))
+        return compare(self.target, prompt, output, self.greedy_reference(prompt, reference_method))
 
     def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline) -> Record:
         c = self.config

@@ -20,9 +20,11 @@ from tqdm import tqdm
 from harness import checkpoints
 from harness.corpus import conversations, encode
 from harness.errors import HarnessError
+from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.models import LoadedModel, load_model
 from harness.objectives import EagleSpec, PipelineSpec
 from harness.results import ResultStore
+from harness.runner import stop_ids
 from harness.target import TargetRuntime
 
 DrafterSpec = PipelineSpec | EagleSpec
@@ -42,6 +44,8 @@ class TrainConfig:
     partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
     val_conversations: int = 64
     val_chunks: int = 8
+    val_prompts: int = 8  # held-out first turns decoded greedily: validation counted as decoding counts (0: off)
+    val_new_tokens: int = 64
     save_every: int = 50
     seed: int = 0
     device: str = "cpu"
@@ -187,8 +191,9 @@ def _cross_entropy(pred, p_draft: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict], probs: list[torch.Tensor],
-             draft_ids) -> dict:
-    """Top-1 agreement with the target per group (pipeline fill level or TTT step) and the first prediction's KL."""
+             draft_ids, trajectories: Trajectories | None = None) -> dict:
+    """Top-1 agreement with the target per group (pipeline fill level or TTT step) and the first prediction's KL on
+    corpus text; with `trajectories`, also the replayed decoding's acceptance on them (harness/heldout.py)."""
     spec, groups = trainer.spec, trainer.spec.groups
     hits, totals, kl_sum, kl_count = torch.zeros(groups), torch.zeros(groups), 0.0, 0
     rng = random.Random(1234)
@@ -208,11 +213,13 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
                     log_q = torch.log_softmax(pred.logits, -1)
                     kl = (q_target * (torch.log(q_target.clamp_min(1e-12)) - log_q)).sum(-1)[rows]
                     kl_sum, kl_count = kl_sum + float(kl.sum()), kl_count + int(kl.numel())
+        decoding = decoding_figures(spec, trainer.module, trajectories) if trajectories else None
     trainer.module.train()
     by_group = (hits / totals.clamp(min=1)).tolist()
     return {f"top1_by_{spec.group_name}": [round(x, 4) for x in by_group],
             "top1": round(float(hits.sum() / totals.sum().clamp(min=1)), 4),
-            "kl": round(kl_sum / max(1, kl_count), 4), "positions": int(totals.sum())}
+            "kl": round(kl_sum / max(1, kl_count), 4), "positions": int(totals.sum()),
+            **({"decoding": decoding} if decoding else {})}
 
 
 def _training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
@@ -248,6 +255,9 @@ def train(config: TrainConfig) -> list[Path]:
             trainer.resume()
     layers = tuple(sorted({layer for t in trainers for layer in t.module.config.all_feature_layers()}))
     val_inputs = _teacher_inputs(target, val_chunks, layers)
+    prompts = first_turns(loaded, held_out, config.val_prompts, max_prompt=4 * config.seq_len)
+    trajectories = greedy_trajectories(loaded, prompts, config.val_new_tokens, layers, stop_ids(loaded)) \
+        if prompts else None
     start = min(t.step for t in trainers)
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True)
@@ -274,14 +284,21 @@ def train(config: TrainConfig) -> list[Path]:
         bar.update()
         if done % config.save_every == 0 or done == config.steps:
             for trainer in trainers:
-                trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids)
+                trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids, trajectories)
                 trainer.save({"config": _config_dict(config)})
-            bar.write(f"step {done}: " + "; ".join(
-                f"{t.spec.tag} val top1 {t.validation['top1']:.3f} by {t.spec.group_name} "
-                f"{t.validation[f'top1_by_{t.spec.group_name}']}" for t in trainers))
+            bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
     bar.close()
     _record(loaded, config, trainers)
     return [t.folder for t in trainers]
+
+
+def _validation_line(trainer: DrafterTrainer) -> str:
+    v, group = trainer.validation, trainer.spec.group_name
+    line = f"{trainer.spec.tag} val top1 {v['top1']:.3f} by {group} {v[f'top1_by_{group}']}"
+    if "decoding" in v:
+        d = v["decoding"]
+        line += f", decoding acceptance {d['acceptance']:.3f} by {group} {d[f'accept_by_{group}']}"
+    return line
 
 
 def _saved_draft_ids(target: TargetRuntime, config: TrainConfig) -> torch.Tensor | None:

@@ -65,6 +65,11 @@ def tree_mask(rows: list[Token], base: int, kv_end: int) -> torch.Tensor:
     return mask
 
 
+def fill_level(levels: list[Level]) -> int:
+    """In-flight levels older than the newest when the drafter runs (0 right after prefill or a flush)."""
+    return max(0, len(levels) - 1)
+
+
 def prune_dead_branches(levels: list[Level]) -> None:
     """Drop (in place) every node with no descendant in the newest level."""
     for older, newer in zip(reversed(levels[:-1]), reversed(levels[1:])):
@@ -256,7 +261,7 @@ class PipelineEngine:
         leaves = levels[-1] if levels else [run.pending[-1]]
         logits = drafter.logits(run.pending, levels)
         run.pending.clear()
-        position, fill = leaves[0].position + 1, max(0, len(levels) - 1)
+        position, fill = leaves[0].position + 1, fill_level(levels)
         parents = [leaf if leaf.depth < self.config.n else None for leaf in leaves]
         if self.width == 1 and not sampler.greedy:  # one sampled draft, verified with the p/q rule
             q = sampler.probs(logits[0])

@@ -8,8 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# The paper's prompt sets live beside the checkout (../shared/data/eval); $SPD_BENCH_EVAL overrides the location.
-SHARED_EVAL = Path(os.environ.get("SPD_BENCH_EVAL", Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"))
+from harness.data import SHIPPED
 
 
 @pytest.fixture(autouse=True)
@@ -20,10 +19,8 @@ def _no_grad():
 
 @pytest.fixture(scope="session")
 def eval_dir() -> Path:
-    """The paper's prompt sets, read in place from ../shared (never copied into the repo)."""
-    if not (SHARED_EVAL / "mt_bench.jsonl").exists():
-        pytest.skip(f"benchmark prompt files not found at {SHARED_EVAL}")
-    return SHARED_EVAL
+    """The paper's prompt sets as shipped in the repository."""
+    return SHIPPED
 
 
 @pytest.fixture(scope="session")

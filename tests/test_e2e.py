@@ -43,3 +43,22 @@ def test_cli_run_on_the_embedded_model_is_lossless_and_reported(tmp_path):
     assert all(r["lossless"]["identical"] and r["model"]["name"] == "smollm2-135m" for r in rows)
     report = CliRunner().invoke(main, ["report", "--results", str(out)])
     assert report.exit_code == 0 and "| overall | no | 2 |" in report.output
+
+
+def test_parity_command_finds_the_engines_drafter_states_equal_the_training_layouts(tmp_path, monkeypatch):
+    """`spd-bench parity` on the embedded model with a freshly trained two-stage drafter: every state decoding
+    visits gives the training layout's top-1 (exit 0), the figures go to results/<model>/parity.jsonl."""
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    shape = ["--method", "spd", "--n", "2", "--ls", "1"]
+    trained = CliRunner().invoke(main, ["train", *shape, "--tokens", "2048", "--seq-len", "128", "--batch-size", "4",
+                                        "--draft-vocab", "4096", "--lr", "3e-3", "--val-prompts", "0"])
+    assert trained.exit_code == 0, trained.output
+    result = CliRunner().invoke(main, ["parity", *shape, "--dataset", "mt_bench,gsm8k", "--limit", "1",
+                                       "--max-new-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    (record,) = [json.loads(line) for line in (tmp_path / "results" / "smollm2-135m" / "parity.jsonl").open()]
+    fills = record["fills"]
+    assert record["lossless"] and not record["mismatches"] and len(fills) == 2
+    assert fills[0]["states"] > 0 and all(f["disagree"] == 0 and f["replay_disagree"] == 0 for f in fills)
+    assert fills[1]["all_states"] > 0

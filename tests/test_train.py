@@ -37,6 +37,9 @@ def test_train_then_resume_then_run_the_trained_drafter(tiny_dir, eval_dir, tmp_
     saved = json.loads((checkpoint / "config.json").read_text())
     assert saved["train"]["step"] == 2 and saved["train"]["tokens"] == 128
     assert len(saved["train"]["validation"]["top1_by_fill"]) == 2
+    decoding = saved["train"]["validation"]["decoding"]  # replayed greedy decoding of held-out prompts
+    assert decoding["prompts"] == 8 and len(decoding["drafts_by_fill"]) == 2 and decoding["drafts_by_fill"][0] > 0
+    assert 0 <= decoding["acceptance"] <= 1 and decoding["tokens_per_step"] > 0
 
     again = CliRunner().invoke(main, train + ["--tokens", "128"])
     assert again.exit_code == 2 and "--resume" in again.output
