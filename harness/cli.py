@@ -307,6 +307,32 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     click.echo(f"record: {out}")
 
 
+@bench.command("train")
+@click.option("--method", "methods", default="spd,ppsd,eagle3", show_default=True, help="Comma list of drafter kinds.")
+@click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list).")
+@click.option("--ls", "ls_values", default=None, help="Drafter decoder layers (default: spd 4, ppsd 1).")
+@click.option("--m", "m_values", default="7", show_default=True, help="EAGLE-3 training-time-test steps.")
+@click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Timed batches (after one warm-up).")
+@model_option
+@device_option
+@dtype_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
+def bench_train_command(methods, n_values, ls_values, m_values, seq_len, batch_size, steps, model, device, dtype, out):
+    """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches."""
+    from harness import bench_train
+    from harness.train import TrainConfig
+
+    specs = _drafter_specs(methods, n_values, ls_values, None, m_values)
+    config = TrainConfig(drafters=specs, model=model, seq_len=seq_len, batch_size=batch_size, device=device,
+                         dtype=dtype, val_prompts=0)
+    results = bench_train.bench_train(config, steps)
+    bench_train.record(results, out)
+    click.echo(bench_train.table(results))
+    click.echo(f"records: {out}")
+
+
 POLICIES = {"spd": "multi_depth", "ppsd": "first_stage"}
 DEFAULT_SCHEDULE = {"spd": "input", "ppsd": "output"}
 DEFAULT_LS = {"spd": "4", "ppsd": "1"}

@@ -1,7 +1,9 @@
-"""Benchmark prompts come from a local folder, then the installed packages; bad data fails with one clear line."""
+"""Benchmark prompts come from a local folder, then the shipped sets, then the installed packages; bad data fails
+with one clear line."""
 
 import pytest
 
+from harness import data
 from harness.data import load_samples, render_prompt
 from harness.errors import HarnessError
 
@@ -14,8 +16,15 @@ def test_the_papers_prompt_sets_load_from_the_shared_folder(eval_dir, name):
     assert all(s.prompt and s.dataset == name for s in samples)
 
 
+@pytest.mark.parametrize("name", ["mt_bench", "gsm8k", "humaneval"])
+def test_the_shipped_sets_are_the_default_source(monkeypatch, eval_dir, name):
+    monkeypatch.delenv("SPD_BENCH_DATA", raising=False)
+    assert load_samples(name) == load_samples(name, eval_dir)
+
+
 def test_mt_bench_and_humaneval_come_from_their_packages_without_a_folder(monkeypatch, tmp_path):
     monkeypatch.delenv("SPD_BENCH_DATA", raising=False)
+    monkeypatch.setattr(data, "SHIPPED", tmp_path)  # a checkout without data/eval
     mt_bench = load_samples("mt_bench", tmp_path)
     humaneval = load_samples("humaneval", tmp_path)
     assert len(mt_bench) == 80 and mt_bench[0].question_id == 81
@@ -29,6 +38,7 @@ def test_env_var_names_the_folder(monkeypatch, eval_dir):
 
 def test_missing_dataset_error_names_all_three_sources(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(data, "SHIPPED", tmp_path)
     with pytest.raises(HarnessError) as err:
         load_samples("gsm8k", tmp_path)
     message = str(err.value)

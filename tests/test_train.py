@@ -157,3 +157,16 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
         sum(p.logits.logsumexp(-1).mean() for p in predictions).backward()
     assert all(p.logits.dtype == torch.float32 for p in predictions)
     assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
+
+
+def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cache):  # noqa: F811
+    out = tmp_path / "train.jsonl"
+    result = CliRunner().invoke(main, ["bench", "train", "--model", str(tiny_dir), "--method", "spd,eagle3", "--n", "2",
+                                       "--ls", "1", "--m", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "1",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["drafter"] for r in rows] == ["spd-n2-ls1-input", "eagle3-ttt2"]
+    for r in rows:
+        assert r["teacher_tokens_s"] > 0 and r["drafter_tokens_s"] > 0
+        assert r["alone_tokens_s"] < min(r["teacher_tokens_s"], r["drafter_tokens_s"])
