@@ -382,12 +382,16 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
 @click.option("--val-prompts", type=click.IntRange(min=0), default=8, show_default=True,
               help="Held-out prompts decoded greedily once; validation replays decoding on them (0: text top-1 only).")
+@click.option("--init", type=click.Choice(["identity", "target"]), default="identity", show_default=True,
+              help="Drafter layers start as identity (residual branches zero) or as copies of the target's last layers.")
+@click.option("--autocast/--no-autocast", default=True, show_default=True,
+              help="Train the drafters under bf16 autocast (fp32 master weights; the teacher stays in its dtype).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of each drafter.")
 @model_option
 @device_option
 @dtype_option
 def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, batch_size, lr, draft_vocab, save_every,
-          val_prompts, resume, model, device, dtype):
+          val_prompts, init, autocast, resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
@@ -396,12 +400,12 @@ def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, ba
     shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
                                                 ("m", m_values)) if v is not None)
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
-                         draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, device=device,
-                         dtype=dtype, resume=resume,
+                         draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, init=init,
+                         autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
-                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --model {model} "
-                                  f"--device {device}"
+                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --init {init} "
+                                  f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):
         click.echo(f"checkpoint: {folder}")

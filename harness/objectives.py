@@ -2,8 +2,8 @@
 
 The training loop (harness/train.py) is the same for all of them: it runs the teacher once per batch, asks every
 drafter for its `Prediction`s and takes a weighted KL(target || drafter) step on each. A pipeline drafter (SPD,
-PPSD) makes one prediction per position from the unrolled depth layout; an EAGLE-3 head makes one per
-training-time-test step, from its own states, with geometrically decaying weights.
+PPSD) makes one prediction per position from the grouped depth layout (methods/grouped_layout.py); an EAGLE-3 head
+makes one per training-time-test step, from its own states, with geometrically decaying weights.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from methods.base import Generation
 from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
 from methods.eagle_replay import chain_accepts, replay_rounds
+from methods.grouped_layout import grouped_logits
 from methods.pipeline_replay import fill_state_accepts, replay_cycles
-from methods.speculator import Speculator, SpeculatorConfig, unrolled_logits
+from methods.speculator import Speculator, SpeculatorConfig
 
 TTT_DECAY = 0.8  # loss weight of training-time-test step k is TTT_DECAY ** (k - 1)
 
@@ -82,7 +83,7 @@ class PipelineSpec:
         size = ids.shape[1]
         starts = torch.stack([segment_starts(size, self.n, rng.random() < partial_fill, rng)
                               for _ in range(ids.shape[0])]).to(ids.device)
-        return [Prediction(unrolled_logits(module, features, starts), 0, 1.0, fill_levels(starts, self.n))]
+        return [Prediction(grouped_logits(module, features, starts), 0, 1.0, fill_levels(starts, self.n))]
 
     def replay(self, module: Speculator, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
         """Decoding's cycles on a trajectory (the exact `--simulate` replay)."""

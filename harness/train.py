@@ -1,7 +1,7 @@
 """Drafter training by distillation: one loop, one corpus, one teacher pass shared by every drafter trained together.
 
 The frozen target runs once per batch and yields the hidden states every drafter needs plus its next-token
-distribution; each drafter takes its unrolled training forward on those features and a KL(target || drafter)
+distribution; each drafter takes its training forward on those features and a KL(target || drafter)
 step at T=1 over assistant tokens. Checkpoints (safetensors + JSON) are written periodically and resumed from.
 """
 
@@ -42,6 +42,8 @@ class TrainConfig:
     clip: float = 1.0
     draft_vocab: int = 8192  # 0: the full vocabulary
     partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
+    init: str = "identity"  # drafter layers start as identity (residual branches zero) or as the target's last layers
+    autocast: bool = True  # drafter forward/backward under bf16 autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
     val_chunks: int = 8
     val_prompts: int = 8  # held-out first turns decoded greedily: validation counted as decoding counts (0: off)
@@ -121,7 +123,9 @@ class DrafterTrainer:
     def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
-        self.module = spec.build(target, draft_ids).start_as_identity().float().train()
+        module = spec.build(target, draft_ids)
+        module = module.start_from_target(target) if config.init == "target" else module.start_as_identity()
+        self.module = module.float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.step, self.tokens, self.validation = 0, 0, {}
@@ -133,7 +137,8 @@ class DrafterTrainer:
 
     def train_step(self, features: dict, ids: torch.Tensor, p_draft: torch.Tensor, mask: torch.Tensor,
                    rng: random.Random) -> dict:
-        predictions = self.spec.predictions(self.module, features, ids, rng, self.config.partial_fill)
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+            predictions = self.spec.predictions(self.module, features, ids, rng, self.config.partial_fill)
         loss = sum(pred.weight * _cross_entropy(pred, p_draft, mask) for pred in predictions)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

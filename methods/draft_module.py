@@ -11,23 +11,27 @@ from torch import nn
 from harness.target import TargetRuntime
 
 
-def module_layer_config(target_config, count: int):
-    """The target's layer config for a `count`-layer drafter (all full attention: drafters use masks and trees)."""
+def module_layer_config(target_config, count: int, attention: str | None = None):
+    """The target's layer config for a `count`-layer drafter (all full attention: drafters use masks and trees),
+    optionally with another registered attention kernel."""
     config = copy.deepcopy(target_config)
     config.num_hidden_layers = count
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = ["full_attention"] * count
+    if attention is not None:
+        config._attn_implementation = attention
     return config
 
 
 class DraftModule(nn.Module):
     """Base of the SPD speculator and the EAGLE-3 head: `layers`, `head`, `draft_ids` and the frozen target parts."""
 
-    def __init__(self, target: TargetRuntime, num_layers: int, draft_ids: torch.Tensor | None):
+    def __init__(self, target: TargetRuntime, num_layers: int, draft_ids: torch.Tensor | None,
+                 attention: str | None = None):
         super().__init__()
         hidden = target.config.hidden_size
         layer_class = type(target.layers[0])
-        layer_config = module_layer_config(target.config, num_layers)
+        layer_config = module_layer_config(target.config, num_layers, attention)
         self.layers = nn.ModuleList(layer_class(layer_config, i) for i in range(num_layers))
         head_weight = target.model.lm_head.weight.detach()
         if draft_ids is None:
@@ -50,6 +54,14 @@ class DraftModule(nn.Module):
             for name, module in self.layers.named_modules():
                 if name.endswith(("o_proj", "down_proj")) and isinstance(module, nn.Linear):
                     module.weight.zero_()
+        return self
+
+    def start_from_target(self, target: TargetRuntime) -> DraftModule:
+        """Copy the target's last layers into the module's layers (the reference's init from base layers): the
+        module starts as the top of the target, fed the drafter's rows."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.layers, target.layers[len(target.layers) - len(self.layers):]):
+                mine.load_state_dict(theirs.state_dict())
         return self
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 For one token trajectory (the greedy AR output of a prompt) the drafter's top-1 for every (position, fill level)
 is computed three ways:
-- the training layout: `unrolled_logits` over the teacher's features, exactly as `spd-bench train` runs it, once
+- the training layout: `grouped_logits` over the teacher's features, exactly as `spd-bench train` runs it, once
   per segment phase (flushes every n positions, offset 0..n-1 puts every position at every fill level);
 - the decoding engine: `PipelineEngine` decodes the prompt at T=0 (its output is the trajectory) with a drafter
   that records every draft it makes, so only the states decoding visits are compared;
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from methods.grouped_layout import grouped_logits
 from methods.pipeline import Drafter, PipelineEngine, fill_level
 from methods.pipeline_replay import fill_state_accepts
 from methods.sampling import Sampler, SamplingConfig
-from methods.speculator import Speculator, unrolled_logits
+from methods.speculator import Speculator
 from methods.teacher import Teacher
 
 TIE = 1e-4  # top-1 minus top-2 draft logit below this: a near-tie that summation order may flip
@@ -40,7 +41,7 @@ def training_view(speculator: Speculator, features: dict[int, torch.Tensor]) -> 
         # Flushes at offset, offset + n, ...: position T sits (T - offset) mod n tokens into its segment.
         starts = torch.where(positions < offset, 0, offset + (positions - offset) // n * n)
         fills = torch.clamp(positions - starts, max=n - 1)
-        logits = unrolled_logits(speculator, features, starts[None].to(speculator.head.weight.device))[0]
+        logits = grouped_logits(speculator, features, starts[None].to(speculator.head.weight.device))[0]
         top1 = speculator.full_vocab(logits).argmax(-1).cpu()
         keep = fills <= max_fill(speculator)
         view[fills[keep], positions[keep]] = top1[keep]

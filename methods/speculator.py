@@ -3,8 +3,8 @@
 A token that has finished k of the n pipeline stages ("depth k") contributes one row whose input is a per-depth
 linear projection of the target hidden states it has: h[0] (embedding) and a few layers up to the deepest it reached.
 Rows attend causally at their true positions; the newest row's logits draft the next token. Both the pipeline
-(inference, one row per token at its current depth) and training (every depth unrolled, depth-matched visibility)
-go through the same `decode`, so they cannot drift apart.
+(inference, one row per token at its current depth) and training (methods/grouped_layout.py: every query with the
+rows the pipeline would hold) go through the same `decode`, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from harness.target import TargetRuntime
 from methods.draft_module import DraftModule
+from methods.grouped_layout import GROUPED
 
 SCHEDULES = ("input", "output")
 POLICIES = ("multi_depth", "first_stage")
@@ -85,7 +86,7 @@ class Speculator(DraftModule):
     """Per-depth projections -> Ls decoder layers of the target's shape -> target's final norm -> trainable head."""
 
     def __init__(self, config: SpeculatorConfig, target: TargetRuntime, draft_ids: torch.Tensor | None = None):
-        super().__init__(target, config.ls, draft_ids)
+        super().__init__(target, config.ls, draft_ids, attention=GROUPED)  # trains in the grouped layout
         self.config = config
         hidden = target.config.hidden_size
         self.projections = nn.ModuleList(
@@ -104,36 +105,3 @@ class Speculator(DraftModule):
         """Row input for a token at `depth` from its hidden states {layer: [..., D]}."""
         parts = [features[layer] for layer in self.config.layers_for(depth)]
         return self.projections[depth](torch.cat(parts, dim=-1))
-
-
-def unrolled_mask(n: int, segment_start: torch.Tensor) -> torch.Tensor:
-    """Visibility of the unrolled layout: rows (d, T) in depth-major order, [(n+1)S, (n+1)S] bool.
-
-    Row (d, T) sees, for every T' <= T, exactly the row whose depth the pipeline holds for T' at that moment:
-    n if T' lies before T's segment start (prefill or the last flush: those tokens finished), else min(n, d + T - T').
-    """
-    size = segment_start.shape[0]
-    pos = torch.arange(size, device=segment_start.device)
-    t, t_key = pos[:, None], pos[None, :]
-    depths = torch.arange(n + 1, device=pos.device)
-    # seen[d, T, T']: the depth of T' that row (d, T) attends to
-    seen = torch.where(t_key < segment_start[:, None], n, torch.clamp(depths[:, None, None] + t - t_key, max=n))
-    mask = (seen[:, :, None, :] == depths[None, None, :, None]) & (t_key <= t)[None, :, None, :]
-    return mask.reshape((n + 1) * size, (n + 1) * size)
-
-
-def unrolled_logits(speculator: Speculator, features: dict[int, torch.Tensor], segment_start: torch.Tensor
-                    ) -> torch.Tensor:
-    """Training forward: every position unrolled into n+1 depth rows; returns the query rows' draft logits [B, S, V'].
-
-    `features` maps target layer -> teacher hidden states [B, S, D]; `segment_start` [B, S] gives, per position, the
-    first position of its pipeline segment (0, the prompt end, or a simulated flush).
-    """
-    config = speculator.config
-    batch, size = segment_start.shape
-    rows = torch.cat([speculator.project(d, features) for d in range(config.n + 1)], dim=1)  # [B, (n+1)S, D]
-    positions = torch.arange(size, device=rows.device).repeat(config.n + 1)
-    mask = torch.stack([unrolled_mask(config.n, s) for s in segment_start])[:, None]
-    out = speculator.decode(rows, positions, mask, cache=None)
-    query = out[:, config.query_depth * size:(config.query_depth + 1) * size]
-    return speculator.head_logits(query)

@@ -16,7 +16,8 @@ from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
 from methods.ppsd import PPSD
 from methods.sampling import Sampler, SamplingConfig
 from methods.spd import SPD
-from methods.speculator import Speculator, SpeculatorConfig, unrolled_logits
+from methods.grouped_layout import grouped_logits
+from methods.speculator import Speculator, SpeculatorConfig
 from tiny_models import tiny_model
 
 GREEDY = SamplingConfig()
@@ -63,7 +64,7 @@ def _pipeline(arch: str, method, n: int, schedule: str, ls: int, width: int = 1)
 
     def loss(step):
         starts = torch.stack([segment_starts(ids.shape[1], n, step % 2 == 1, rng) for _ in ids])
-        logits = unrolled_logits(speculator, features, starts)[:, :-1]
+        logits = grouped_logits(speculator, features, starts)[:, :-1]
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
     _fit(speculator, loss)

@@ -154,10 +154,10 @@ def test_sampled_tokens_follow_the_target_distribution(schedule, method, width):
 @pytest.mark.parametrize("arch, n, schedule, width", [("llama", 3, "input", 1), ("llama", 4, "output", 1),
                                                       ("qwen3_5", 4, "input", 1), ("qwen3", 2, "output", 1),
                                                       ("llama", 3, "input", 4), ("qwen3", 4, "output", 4)])
-def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, schedule, width):
+def test_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, schedule, width):
     """Same tokens and depths: the training layout reproduces every draft the engine computed (fp32), for every
     branch of a draft tree too (each branch sees only its own ancestors)."""
-    from methods.speculator import unrolled_logits
+    from methods.grouped_layout import grouped_logits
 
     model = tiny_model(arch)
     target, method = _spd(model, n, schedule, width=width)
@@ -178,7 +178,7 @@ def test_unrolled_training_forward_equals_the_logits_the_pipeline_drafts_with(ar
         start = min((p for p, _, depth in rows if depth < n), default=rows[-1][0] + 1)  # oldest in-flight token
         positions = torch.arange(len(sequence))
         starts = torch.where(positions >= start, start, 0)[None]
-        logits = method.speculator.full_vocab(unrolled_logits(method.speculator, features, starts))[0]
+        logits = method.speculator.full_vocab(grouped_logits(method.speculator, features, starts))[0]
         assert (logits[rows[-1][0]] - real).abs().max() < 1e-4
         compared += 1
         tree_rows += leaves > 1
