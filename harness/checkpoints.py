@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 
+SHIPPED = Path(__file__).resolve().parents[1] / "drafters"  # drafters the main job needs, shipped in the repository
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TRAIN_STATE = "train_state.safetensors"  # optimiser state, for --resume
@@ -41,15 +42,52 @@ def save(folder: Path, module: torch.nn.Module, config: dict, extra: dict[str, t
     shutil.rmtree(old, ignore_errors=True)
 
 
+def shipped_dir(identity, method: str, tag: str) -> Path:
+    """Where a drafter shipped in the repository for this target lives (bf16 weights + config)."""
+    return SHIPPED / identity.name.replace("/", "--") / f"{method}-{tag}"
+
+
+def find(identity, method: str, tag: str, checkpoint: str | None = None) -> Path:
+    """The drafter's folder: `checkpoint` if given, else the cache entry, else the shipped one, else the cache path
+    (where `spd-bench train` would write it)."""
+    if checkpoint:
+        return Path(checkpoint)
+    cached = drafter_dir(identity, method, tag)
+    shipped = shipped_dir(identity, method, tag)
+    return shipped if not (cached / CONFIG).exists() and (shipped / CONFIG).exists() else cached
+
+
 def load_config(folder: Path) -> dict:
     path = Path(folder) / CONFIG
     if not path.exists():
         raise HarnessError(f"{folder} is not a drafter checkpoint (no {CONFIG}); pass a folder written by spd-bench train")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise HarnessError(f"{path} is not a readable drafter config ({exc}); retrain or restore it") from None
 
 
 def load_weights(folder: Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(folder) / name))
+    path = Path(folder) / name
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error type for every kind of damage
+        raise HarnessError(f"{path} is not a readable safetensors file ({exc}); retrain or restore it") from None
+
+
+def ship(folder: Path, dest: Path) -> Path:
+    """Copy a trained drafter into `dest` as the repository ships it: bf16 weights (the draft vocabulary stays
+    int64) and its config, without the optimiser state; written atomically."""
+    weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_weights(folder).items()}
+    config = load_config(folder)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+    save_file({k: v.contiguous() for k, v in weights.items()}, tmp / WEIGHTS)
+    (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest
 
 
 def fingerprint(folder: Path) -> str:
@@ -62,22 +100,23 @@ def fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_target(config: dict, identity) -> None:
+def check_target(config: dict, identity, folder: Path | None = None) -> None:
     trained_for = config.get("target", {})
     if identity is not None and trained_for.get("weights_sha256") != identity.weights_sha256:
         raise HarnessError(
-            f"drafter was trained for {trained_for.get('name')} ({str(trained_for.get('weights_sha256'))[:12]}) "
+            f"drafter{f' {folder}' if folder else ''} was trained for {trained_for.get('name')} ({str(trained_for.get('weights_sha256'))[:12]}) "
             f"but the target is {identity.name} ({identity.weights_sha256[:12]}); train one for this target"
         )
 
 
 def locate(identity, method: str, tag: str, train_command: str, checkpoint: str | None) -> tuple[Path, dict]:
-    """A drafter's folder and config: `checkpoint` if given, else the cache entry for (target, method, tag)."""
-    folder = Path(checkpoint) if checkpoint else drafter_dir(identity, method, tag)
+    """A drafter's folder and config: `checkpoint` if given, else the cache entry for (target, method, tag), else the
+    shipped one."""
+    folder = find(identity, method, tag, checkpoint)
     if not (folder / CONFIG).exists():
         if checkpoint:
             raise HarnessError(f"checkpoint {folder} not found; pass a folder written by spd-bench train")
         raise HarnessError(f"no {method} drafter for {identity.name} with {tag}; train one with: {train_command}")
     saved = load_config(folder)
-    check_target(saved, identity)
+    check_target(saved, identity, folder)
     return folder, saved

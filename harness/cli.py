@@ -280,6 +280,36 @@ def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
         raise SystemExit(1)
 
 
+@main.command()
+@click.option("--method", required=True, help="Method whose drafter to ship (spd, ppsd, eagle3).")
+@click.option("--param", "param_pairs", multiple=True, help="Method parameter name=value (repeatable).")
+@click.option("--n", type=int, default=None, help="Pipeline stages.")
+@click.option("--ls", type=int, default=None, help="Drafter decoder layers.")
+@click.option("--schedule", type=click.Choice(["input", "output"]), default=None)
+@model_option
+def ship(method, param_pairs, n, ls, schedule, model):
+    """Copy a trained drafter from the cache into drafters/<model>/ as bf16 safetensors + config (at most 40 MiB),
+    where `run` finds it when the cache has none."""
+    from harness import checkpoints
+    from harness.models import load_identity
+    from methods.base import REGISTRY, parse_params
+
+    if method not in REGISTRY or REGISTRY[method].drafter(parse_params(REGISTRY[method], {})) is None:
+        raise click.BadParameter(f"--method must name a method with a trained drafter, got {method!r}")
+    named = {"n": n, "ls": ls, "schedule": schedule}
+    params = {**_params(param_pairs), **{k: v for k, v in named.items() if v is not None}}
+    try:
+        tag, command = REGISTRY[method].drafter(parse_params(REGISTRY[method], params))
+    except (ValueError, TypeError) as exc:
+        raise click.BadParameter(str(exc)) from None
+    identity = load_identity(model)
+    folder = checkpoints.drafter_dir(identity, method, tag)
+    if not (folder / checkpoints.CONFIG).exists():
+        raise HarnessError(f"no {method} drafter with {tag} in the cache; train one with: {command}")
+    dest = checkpoints.ship(folder, checkpoints.shipped_dir(identity, method, tag))
+    click.echo(f"shipped: {dest} ({(dest / checkpoints.WEIGHTS).stat().st_size / 2**20:.1f} MiB)")
+
+
 @main.group()
 def bench():
     """Speed benchmarks (figures go to results/bench/)."""

@@ -177,6 +177,12 @@ def state_dict_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def load_identity(spec: str) -> ModelIdentity:
+    """Name and weight hash of `--model` without loading it."""
+    name, folder = resolve_model_dir(spec)
+    return ModelIdentity(name=name, weights_sha256=weights_sha256(folder))
+
+
 def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
     """Load `spec` as a plain HF causal LM in eval mode with sdpa attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

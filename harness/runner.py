@@ -104,7 +104,7 @@ def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
     if needed is None:
         return None
     tag, command = needed
-    folder = Path(config.checkpoint) if config.checkpoint else checkpoints.drafter_dir(identity, config.method, tag)
+    folder = checkpoints.find(identity, config.method, tag, config.checkpoint)
     return folder, command
 
 

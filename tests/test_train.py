@@ -170,3 +170,45 @@ def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cach
     for r in rows:
         assert r["teacher_tokens_s"] > 0 and r["drafter_tokens_s"] > 0
         assert r["alone_tokens_s"] < min(r["teacher_tokens_s"], r["drafter_tokens_s"])
+
+
+def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir, tmp_path, cache, monkeypatch):  # noqa: F811
+    """`ship` writes bf16 weights + config (no optimiser state); `run` uses them when the cache has none; a corrupt
+    or mismatched shipped drafter is one line naming its file, exit 2, nothing written."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from harness import checkpoints
+
+    monkeypatch.setattr(checkpoints, "SHIPPED", tmp_path / "drafters")
+    shape = ["--method", "spd", "--n", "2", "--ls", "1", "--model", str(tiny_dir)]
+    trained = CliRunner().invoke(main, ["train", *shape, "--seq-len", "32", "--batch-size", "2", "--draft-vocab",
+                                        "512", "--tokens", "64", "--val-prompts", "0"])
+    assert trained.exit_code == 0, trained.output
+    shipped = CliRunner().invoke(main, ["ship", *shape])
+    assert shipped.exit_code == 0 and "MiB" in shipped.output, shipped.output
+    (folder,) = (tmp_path / "drafters").glob("*/spd-n2-ls1-input")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    weights = load_file(folder / "model.safetensors")
+    assert {str(v.dtype) for v in weights.values()} == {"torch.bfloat16", "torch.int64"}  # draft ids stay int64
+    shutil.rmtree(next((tmp_path / "cache" / "drafters").glob("*/spd-n2-ls1-input")))
+
+    run = ["run", *shape, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--data-dir", str(eval_dir)]
+    out = tmp_path / "ok.jsonl"
+    result = CliRunner().invoke(main, [*run, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert all(json.loads(line)["lossless"]["identical"] for line in out.open())
+
+    original = (folder / "config.json").read_text()
+    config = json.loads(original)
+    config["target"]["weights_sha256"] = "0" * 64
+    (folder / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, [*run, "--out", str(tmp_path / "bad.jsonl")])
+    assert result.exit_code == 2 and str(folder) in result.output and len(result.output.strip().splitlines()) == 1
+
+    (folder / "config.json").write_text(original)
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    result = CliRunner().invoke(main, [*run, "--out", str(tmp_path / "bad.jsonl")])
+    assert result.exit_code == 2 and "model.safetensors" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "bad.jsonl").exists()
