@@ -412,8 +412,9 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
 @click.option("--val-prompts", type=click.IntRange(min=0), default=8, show_default=True,
               help="Held-out prompts decoded greedily once; validation replays decoding on them (0: text top-1 only).")
-@click.option("--init", type=click.Choice(["identity", "target"]), default="identity", show_default=True,
-              help="Drafter layers start as identity (residual branches zero) or as copies of the target's last layers.")
+@click.option("--init", type=click.Choice(["identity", "target"]), default="target", show_default=True,
+              help="Pipeline drafter layers start as copies of the target's last layers or as identity (residual "
+                   "branches zero).")
 @click.option("--autocast/--no-autocast", default=True, show_default=True,
               help="Train the drafters under bf16 autocast (fp32 master weights; the teacher stays in its dtype).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of each drafter.")

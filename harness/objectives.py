@@ -77,6 +77,11 @@ class PipelineSpec:
                                   draft_vocab_size=None if draft_ids is None else len(draft_ids))
         return Speculator(config, target, draft_ids)
 
+    def initialise(self, module: Speculator, target, init: str) -> Speculator:
+        """`identity`: residual branches at zero (the deepest feature passes to the head); `target`: the layers start
+        as copies of the target's last Ls layers (measured better on the embedded model, README)."""
+        return module.start_from_target(target) if init == "target" else module.start_as_identity()
+
     def predictions(self, module: Speculator, features: dict, ids: torch.Tensor, rng: random.Random,
                     partial_fill: float) -> list[Prediction]:
         """Half the sequences (by `partial_fill`) simulate a pipeline refilling after prefill or a flush."""
@@ -116,6 +121,11 @@ class EagleSpec:
         config = EagleConfig(ttt=self.ttt, num_layers=target.num_layers, target=target.identity.to_dict(),
                              draft_vocab_size=None if draft_ids is None else len(draft_ids))
         return EagleHead(config, target, draft_ids)
+
+    def initialise(self, module: EagleHead, target, init: str) -> EagleHead:
+        """The head's one layer reads [embedding, fused feature] (2H wide), unlike any target layer: it always starts
+        with its residual branches at zero."""
+        return module.start_as_identity()
 
     def predictions(self, module: EagleHead, features: dict, ids: torch.Tensor, rng: random.Random,
                     partial_fill: float) -> list[Prediction]:

@@ -42,7 +42,7 @@ class TrainConfig:
     clip: float = 1.0
     draft_vocab: int = 8192  # 0: the full vocabulary
     partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
-    init: str = "identity"  # drafter layers start as identity (residual branches zero) or as the target's last layers
+    init: str = "target"  # pipeline drafter layers start as the target's last layers, or as identity (objectives.py)
     autocast: bool = True  # drafter forward/backward under bf16 autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
     val_chunks: int = 8
@@ -123,9 +123,7 @@ class DrafterTrainer:
     def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
-        module = spec.build(target, draft_ids)
-        module = module.start_from_target(target) if config.init == "target" else module.start_as_identity()
-        self.module = module.float().train()
+        self.module = spec.initialise(spec.build(target, draft_ids), target, config.init).float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.step, self.tokens, self.validation = 0, 0, {}
