@@ -210,17 +210,20 @@ def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values,
               help="Results file or folder.")
 @click.option("--format", "fmt", type=click.Choice(["markdown", "latex", "csv"]), default="markdown", show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
-def report(results, fmt, out):
+@click.option("--summary", is_flag=True, help="Only the table of acceptance and speedups per configuration (markdown).")
+def report(results, fmt, out, summary):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
     from harness.metrics import summarize
-    from harness.report import RENDERERS, render_figures
+    from harness.report import RENDERERS, markdown_summary, render_figures
     from harness.results import load_all
 
     rows = load_all(results)
     if not rows:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     summaries = summarize(rows)
-    if fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
+    if summary:
+        text = markdown_summary(summaries)
+    elif fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
         text = RENDERERS[fmt](summaries, render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent))
     else:
         text = RENDERERS[fmt](summaries)

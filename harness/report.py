@@ -197,6 +197,16 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
                   "replay (width > 1) is itself a sample of the executed process (expected = realised)")]
 
 
+def summary_table(overall: list[Summary]) -> Table:
+    """One line per configuration, pooled over datasets: what `make bench` ends with."""
+    rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.samples), _num(s.acceptance), _num(s.tokens_per_step),
+             _num(s.l_acc), _num(s.theoretical_speedup), _num(s.wall_clock_speedup),
+             "—" if s.lossless_pct is None else f"{s.identical}/{s.checked}"] for s in overall]
+    return Table("Measured acceptance and speedups (pooled over datasets)",
+                 ["config", "width", "T", "samples", "acceptance", "tokens/step", "L'acc", "theoretical x",
+                  "wall-clock x", "lossless"], rows)
+
+
 def lossless_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
@@ -222,7 +232,7 @@ def missing_points(summaries: list[Summary]) -> list[GridPoint]:
 
 def tables(summaries: list[Summary]) -> list[Table]:
     overall = [s for s in summaries if s.dataset == OVERALL]
-    return (main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall) + speedup_table(overall)
+    return ([summary_table(overall)] + main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall) + speedup_table(overall)
             + acceptance_tables(overall) + simulation_table(overall) + reference_table(summaries)
             + lossless_table(overall)
             + [detail_table(summaries)])
@@ -255,6 +265,12 @@ def markdown(summaries: list[Summary], figures: dict[str, str] | None = None) ->
     for title, path in (figures or {}).items():
         lines += [f"![{title}]({path})", ""]
     return "\n".join(lines + _fill_commands(summaries) + [NOTES])
+
+
+def markdown_summary(summaries: list[Summary]) -> str:
+    """The summary table alone, with the notes that define its columns."""
+    table = summary_table([s for s in summaries if s.dataset == OVERALL])
+    return "\n".join(_markdown_table(table) + [NOTES])
 
 
 def _latex_escape(text: str) -> str:
