@@ -82,8 +82,17 @@ def write_baseline(path: Path, summaries: list[Summary], rows: list[dict]) -> No
 
 
 def read_baseline(path: Path) -> list[Expected]:
+    """The baseline's entries; an empty, truncated or mistyped baseline is an error, never a gate that passes."""
     try:
-        return [Expected(**entry) for entry in json.loads(Path(path).read_text())]
+        entries = json.loads(Path(path).read_text())
+        if not isinstance(entries, list) or not entries:
+            raise ValueError("it holds no configurations")
+        expected = [Expected(**entry) for entry in entries]
+        for e in expected:
+            if not (isinstance(e.config_key, str) and isinstance(e.label, str) and isinstance(e.samples, int)
+                    and isinstance(e.tokens_per_step, (int, float)) and isinstance(e.run, (dict, type(None)))):
+                raise ValueError(f"entry {e.label!r} has a field of the wrong type")
+        return expected
     except (OSError, ValueError, TypeError) as exc:
         raise HarnessError(f"cannot read baseline {path} ({exc}); write one with spd-bench check --write") from None
 

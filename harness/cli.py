@@ -205,6 +205,16 @@ def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values,
         raise SystemExit(1)
 
 
+def _records(results: Path) -> list[dict]:
+    """One record per sample under `results`, saying when duplicates (e.g. two runs on one file) were dropped."""
+    from harness.results import load_all
+
+    rows, dropped = load_all(results)
+    if dropped:
+        click.echo(f"note: {dropped} duplicate records of the same samples under {results} were counted once", err=True)
+    return rows
+
+
 @main.command()
 @click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
               help="Results file or folder.")
@@ -215,9 +225,8 @@ def report(results, fmt, out, summary):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
     from harness.metrics import summarize
     from harness.report import RENDERERS, markdown_summary, render_figures
-    from harness.results import load_all
 
-    rows = load_all(results)
+    rows = _records(results)
     if not rows:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     summaries = summarize(rows)
@@ -256,7 +265,6 @@ def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
 
     from harness import check as regression
     from harness.metrics import summarize
-    from harness.results import load_all
 
     if write and rerun:
         raise click.UsageError("--write takes recorded results; drop --rerun")
@@ -268,7 +276,7 @@ def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
             click.echo(f"not rerun: {problem}")
         click.echo(f"rerun records: {results}")
     results = results or Path("results")
-    rows = load_all(results)
+    rows = _records(results)
     if not rows and not rerun:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     if write:

@@ -1,14 +1,19 @@
 """Result records and the append-only JSONL store they live in.
 
-A record is one sample of one run configuration. Lines are appended with one write each and flushed to disk, so
-a killed run leaves at most one torn final line, which the next load trims; finished samples are skipped on resume.
+A record is one sample of one run configuration. Lines are appended with one write each and flushed to disk, so a
+killed run leaves at most one torn final line. Readers never modify a file: they skip an unterminated final line.
+Only a writer repairs it, under an exclusive lock held for its whole run and after every complete line parsed as a
+record (so a file that is not a results file is never touched); a second writer on the same file is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -73,19 +78,42 @@ class ResultStore:
         self.path = Path(path)
 
     def load(self) -> list[dict]:
+        """Every complete record; an unterminated final line (a write still in progress, or killed) is skipped."""
         if not self.path.exists():
             return []
-        self._trim_torn_tail()
-        rows = []
         try:
-            with open(self.path, encoding="utf-8") as fh:
-                for number, line in enumerate(fh, 1):
-                    if line.strip():
-                        rows.append(self._parse(line, number))
+            data = self.path.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise self._unreadable(exc) from None
-        return rows
+        complete = data[: data.rfind("\n") + 1]
+        return [self._parse(line, number) for number, line in enumerate(complete.splitlines(), 1) if line.strip()]
 
+    @contextmanager
+    def writing(self) -> Iterator[ResultStore]:
+        """Hold the file for one run: refuse a concurrent writer, repair a torn tail of this (recognised) file, and
+        remove the file again if the run appended nothing to a file it created."""
+        created = not self.path.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._unreadable(exc) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise HarnessError(f"results file {self.path} is being written by another spd-bench run; wait for it "
+                                   f"to finish or pass another --out") from None
+            self.load()  # every complete line is a record: this is a results file, ours to repair
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, size, 0)
+            if data and not data.endswith(b"\n"):
+                os.ftruncate(fd, data.rfind(b"\n") + 1)
+            yield self
+        finally:
+            if created and os.fstat(fd).st_size == 0:
+                self.path.unlink(missing_ok=True)
+            os.close(fd)
     def finished(self) -> set[tuple[str, str, str]]:
         return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in self.load()}
 
@@ -106,21 +134,16 @@ class ResultStore:
                 f"{self.path}:{number}: not a result record; move the file aside or delete that line"
             ) from None
 
-    def _trim_torn_tail(self) -> None:
-        """Drop a final line without a newline: the remains of a run killed mid-write."""
-        try:
-            with open(self.path, "rb+") as fh:
-                data = fh.read()
-                if data and not data.endswith(b"\n"):
-                    fh.truncate(data.rfind(b"\n") + 1)
-        except OSError as exc:
-            raise self._unreadable(exc) from None
 
-
-def load_all(results: Path) -> list[dict]:
-    """Every record in a results file or in all *.jsonl files under a folder."""
+def load_all(results: Path) -> tuple[list[dict], int]:
+    """Every sample record in a results file or in all *.jsonl files under a folder, one per (config key, dataset,
+    question id) (the first found), and how many duplicates were dropped."""
     results = Path(results)
     if not results.exists():
         raise HarnessError(f"results path {results} does not exist; run `spd-bench run` first or pass --results")
     files = [results] if results.is_file() else sorted(results.rglob("*.jsonl"))
-    return [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
+    found = [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
+    unique = {}
+    for row in found:
+        unique.setdefault((row["config_key"], row.get("dataset"), str(row.get("question_id"))), row)
+    return list(unique.values()), len(found) - len(unique)

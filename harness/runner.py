@@ -158,19 +158,21 @@ class Runner:
         return [s for s in samples if (self.key, s.dataset, str(s.question_id)) not in finished]
 
     def run(self, samples: list[Sample], store: ResultStore, bar: tqdm | None = None) -> int:
-        """Run every unfinished sample; `bar` (a sweep's overall bar) replaces the per-run one."""
-        todo = self.todo(samples, store)
-        if not todo:
-            return 0
-        prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
-        method = self.load_method(self.config.method, self.config.params, prompts)
-        reference = self.load_method(REFERENCE_METHOD, {}, prompts)
-        with torch.inference_mode():
-            if not self.config.simulate:
-                for warm in (method, reference):  # first calls pay one-off allocation costs; keep them out of timings
-                    warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
-            self._loop(todo, prompts, method, reference, store, bar)
-        return len(todo)
+        """Run every unfinished sample, holding the results file for the whole run (a concurrent run on it is refused);
+        `bar` (a sweep's overall bar) replaces the per-run one."""
+        with store.writing():
+            todo = self.todo(samples, store)
+            if not todo:
+                return 0
+            prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
+            method = self.load_method(self.config.method, self.config.params, prompts)
+            reference = self.load_method(REFERENCE_METHOD, {}, prompts)
+            with torch.inference_mode():
+                if not self.config.simulate:
+                    for warm in (method, reference):  # one-off allocation costs stay out of the timings
+                        warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
+                self._loop(todo, prompts, method, reference, store, bar)
+            return len(todo)
 
     def _loop(self, todo, prompts, method, reference, store, bar) -> None:
         desc = f"{self.config.method}{' (simulated)' if self.config.simulate else ''}"

@@ -2,10 +2,11 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
+from test_report import _row
 
 from harness.cli import main
-from test_report import _row
 
 
 def _write(path, rows):
@@ -62,3 +63,14 @@ def test_an_unreadable_baseline_is_a_clear_error(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     code, output = _check("--baseline", tmp_path / "bad.json", "--results", results)
     assert code == 2 and "cannot read baseline" in output and "--write" in output
+
+
+@pytest.mark.parametrize("content", ["[]", "", "[{\"config_key\": \"k\"", "{}", "[{\"config_key\": 1, \"label\": \"x\", "
+                                     "\"tokens_per_step\": \"fast\", \"samples\": 2}]"],
+                         ids=["empty", "blank", "truncated", "not-a-list", "wrong-types"])
+def test_an_empty_or_malformed_baseline_is_an_error_not_a_pass(tmp_path, content):
+    baseline = tmp_path / "b.json"
+    baseline.write_text(content)
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(tmp_path)])
+    assert result.exit_code == 2 and "pass" not in result.output
+    assert result.output.startswith("error: cannot read baseline") and len(result.output.strip().splitlines()) == 1

@@ -1,6 +1,9 @@
-"""The JSONL store survives kills (torn final line) and refuses files it cannot read."""
+"""The JSONL store: readers never modify a file, only the writer holding it repairs its own torn tail, a second
+writer is refused, duplicates count once, and two writers plus a reader under stress lose and duplicate nothing."""
 
 import json
+import multiprocessing
+import os
 
 import pytest
 
@@ -8,8 +11,9 @@ from harness.errors import HarnessError
 from harness.results import ResultStore, load_all
 
 
-def _row(i):
-    return {"config_key": "k", "dataset": "d", "question_id": i, "output_ids": [1], "method": "autoregressive"}
+def _row(i, key="k", payload=0):
+    return {"config_key": key, "dataset": "d", "question_id": i, "output_ids": [1] * payload,
+            "method": "autoregressive"}
 
 
 def test_append_then_load_round_trips(tmp_path):
@@ -21,13 +25,52 @@ def test_append_then_load_round_trips(tmp_path):
     assert store.finished() == {("k", "d", "1"), ("k", "d", "2")}
 
 
-def test_a_torn_final_line_is_trimmed_on_load(tmp_path):
+def test_a_reader_skips_a_torn_final_line_and_leaves_the_file_as_it_is(tmp_path):
     store = ResultStore(tmp_path / "r.jsonl")
     store.append(_row(1))
     with open(store.path, "a") as fh:
-        fh.write(json.dumps(_row(2))[:20])  # killed mid-write
+        fh.write(json.dumps(_row(2))[:20])  # killed mid-write, or another process still writing
+    before = store.path.read_bytes()
     assert [r["question_id"] for r in store.load()] == [1]
-    assert store.path.read_text().endswith("\n")
+    rows, dropped = load_all(store.path)
+    assert [r["question_id"] for r in rows] == [1] and dropped == 0
+    assert store.path.read_bytes() == before
+
+
+def test_the_writer_repairs_its_own_torn_tail(tmp_path):
+    store = ResultStore(tmp_path / "r.jsonl")
+    store.append(_row(1))
+    with open(store.path, "a") as fh:
+        fh.write(json.dumps(_row(2))[:20])
+    with store.writing():
+        store.append(_row(2))
+    assert [r["question_id"] for r in store.load()] == [1, 2]
+
+
+def test_a_file_that_is_not_a_results_file_is_never_touched(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("line one\nimportant last line")
+    before = notes.read_bytes()
+    for action in (ResultStore(notes).load, lambda: ResultStore(notes).writing().__enter__(), lambda: load_all(notes)):
+        with pytest.raises(HarnessError, match="notes.txt:1: not a result record"):
+            action()
+    assert notes.read_bytes() == before
+
+
+def test_a_second_writer_is_refused_and_an_unused_new_file_is_removed(tmp_path):
+    store = ResultStore(tmp_path / "r.jsonl")
+    with store.writing(), pytest.raises(HarnessError, match="being written by another spd-bench run"):
+        with ResultStore(store.path).writing():
+            pass
+    assert not store.path.exists()  # nothing was appended: no empty file left behind
+
+
+def test_duplicates_of_a_sample_count_once(tmp_path):
+    ResultStore(tmp_path / "a.jsonl").append(_row(1))
+    ResultStore(tmp_path / "a.jsonl").append(_row(1))
+    ResultStore(tmp_path / "b.jsonl").append(_row(2))
+    rows, dropped = load_all(tmp_path)
+    assert sorted(r["question_id"] for r in rows) == [1, 2] and dropped == 1
 
 
 def test_a_corrupt_line_in_the_middle_is_an_error_naming_the_line(tmp_path):
@@ -40,6 +83,47 @@ def test_a_corrupt_line_in_the_middle_is_an_error_naming_the_line(tmp_path):
 def test_load_all_reads_every_file_under_a_folder(tmp_path):
     ResultStore(tmp_path / "a" / "x.jsonl").append(_row(1))
     ResultStore(tmp_path / "b.jsonl").append(_row(2))
-    assert sorted(r["question_id"] for r in load_all(tmp_path)) == [1, 2]
+    assert sorted(r["question_id"] for r in load_all(tmp_path)[0]) == [1, 2]
     with pytest.raises(HarnessError, match="does not exist"):
         load_all(tmp_path / "missing")
+
+
+def _writer(path: str, key: str, count: int, payload: int) -> None:
+    """A run's writer: waits for the file, then appends its records (skipping those already there)."""
+    store = ResultStore(path)
+    while True:
+        try:
+            with store.writing():
+                done = store.finished()
+                for i in range(count):
+                    if (key, "d", str(i)) not in done:
+                        store.append(_row(i, key, payload))
+                return
+        except HarnessError:
+            continue
+
+
+def _reader(path: str, rounds: int, out) -> None:
+    sizes = []
+    for _ in range(rounds):
+        sizes.append(len(ResultStore(path).load()))
+        os.sched_yield()
+    out.put(sizes)
+
+
+def test_two_writers_and_a_reader_lose_and_duplicate_nothing(tmp_path):
+    path = str(tmp_path / "r.jsonl")
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    writers = [context.Process(target=_writer, args=(path, key, 150, 2_000)) for key in ("a", "a", "b")]
+    reader = context.Process(target=_reader, args=(path, 100, out))
+    for process in (*writers, reader):
+        process.start()
+    sizes = out.get(timeout=60)
+    for process in (*writers, reader):
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    rows = ResultStore(path).load()
+    keys = [(r["config_key"], r["question_id"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 300  # two runs of "a" (150) and one of "b" (150), each sample once
+    assert sizes == sorted(sizes)  # a reader never saw records disappear
