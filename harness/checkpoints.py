@@ -75,6 +75,15 @@ def load_weights(folder: Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
         raise HarnessError(f"{path} is not a readable safetensors file ({exc}); retrain or restore it") from None
 
 
+def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path) -> None:
+    """Load a checkpoint's weights into the module its config describes, or say which file does not fit."""
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else "mismatched tensors"
+        raise HarnessError(f"{Path(folder) / WEIGHTS} does not fit its config ({first}); retrain it") from None
+
+
 def ship(folder: Path, dest: Path) -> Path:
     """Copy a trained drafter into `dest` as the repository ships it: bf16 weights (the draft vocabulary stays
     int64) and its config, without the optimiser state; written atomically."""

@@ -39,11 +39,14 @@ def _read_eagle_jsonl(name: str, path: Path) -> list[Sample]:
                 continue
             try:
                 row = json.loads(line)
-                samples.append(Sample(name, row["question_id"], row.get("category", name), row["turns"][0]))
+                turns = row["turns"]
+                if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+                    raise TypeError
+                samples.append(Sample(name, row["question_id"], row.get("category", name), turns[0]))
             except (json.JSONDecodeError, KeyError, IndexError, TypeError):
                 raise HarnessError(
                     f"{path}:{number}: malformed dataset line; each line must be JSON with "
-                    f'"question_id" and a non-empty "turns" list: fix or remove it'
+                    f'"question_id" and a non-empty "turns" list of strings: fix or remove it'
                 ) from None
     return samples
 

@@ -64,12 +64,25 @@ def validate(config: RunConfig) -> None:
         config.sampling()
     except (ValueError, TypeError) as exc:
         raise HarnessError(f"{exc}; fix the option") from None
+    if config.checkpoint and REGISTRY[config.method].drafter(parse_params(REGISTRY[config.method], config.params)) is None:
+        raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
+    if config.data_dir and not Path(config.data_dir).expanduser().is_dir():
+        raise HarnessError(f"--data-dir {config.data_dir} is not a folder; pass the folder that holds <dataset>.jsonl")
     if config.simulate and REGISTRY[config.method].simulate is Method.simulate:
         raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
     if config.limit is not None and config.limit < 1:
         raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
     if config.max_new_tokens < 1:
         raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
+
+
+def check_model(config: RunConfig, loaded: LoadedModel) -> None:
+    """What only the loaded model can tell: the method's parameters fit its layers (e.g. pipeline stages)."""
+    cls = REGISTRY[config.method]
+    try:
+        cls.check_model(parse_params(cls, config.params), len(loaded.model.model.layers))
+    except ValueError as exc:
+        raise HarnessError(f"{exc}; fix the option") from None
 
 
 def load_prompts(config: RunConfig) -> list[Sample]:
@@ -148,7 +161,13 @@ class Runner:
 
     def load_method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
         if self.target is None:
-            max_len = max(len(p) for p in prompts) + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
+            longest = max(len(p) for p in prompts)
+            context = getattr(self.loaded.model.config.get_text_config(), "max_position_embeddings", None)
+            if context and longest + self.config.max_new_tokens > context:
+                raise HarnessError(f"a prompt of {longest} tokens plus --max-new-tokens {self.config.max_new_tokens} "
+                                   f"exceeds the model's context of {context} tokens; lower --max-new-tokens or "
+                                   f"--limit the prompts")
+            max_len = longest + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
             self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity)
         return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
 
@@ -305,6 +324,7 @@ def run(config: RunConfig) -> Path:
     if store_path is not None:
         ResultStore(store_path).load()  # an unreadable file fails here, before the model loads
     loaded = load_model(config.model, config.device, config.dtype)
+    check_model(config, loaded)
     store = ResultStore(store_path or default_out(config, loaded.identity.name))
     store.load()
     Runner(config, loaded).run(samples, store)

@@ -15,7 +15,7 @@ from harness.errors import HarnessError
 from harness.models import load_model
 from harness.paper import GridPoint
 from harness.results import ResultStore
-from harness.runner import RunConfig, Runner, default_out, drafter_folder, load_prompts, validate
+from harness.runner import RunConfig, Runner, check_model, default_out, drafter_folder, load_prompts, validate
 from methods.base import REGISTRY, parse_params
 
 
@@ -76,6 +76,8 @@ def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> Swe
     samples = load_prompts(base)
     loaded = load_model(base.model, base.device, base.dtype)
     skipped, runners = [], {}
+    for config in configs.values():
+        check_model(config, loaded)
     for point, config in configs.items():
         command = missing_drafter(config, loaded.identity)
         if command is not None:

@@ -24,7 +24,7 @@ from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_
 from harness.models import LoadedModel, load_model
 from harness.objectives import EagleSpec, PipelineSpec
 from harness.results import ResultStore
-from harness.runner import stop_ids
+from harness.runner import RunConfig, check_model, stop_ids
 from harness.target import TargetRuntime
 
 DrafterSpec = PipelineSpec | EagleSpec
@@ -242,6 +242,8 @@ def train(config: TrainConfig) -> list[Path]:
     """Train every drafter in `config.drafters` on shared teacher passes; returns their checkpoint folders."""
     torch.manual_seed(config.seed)
     loaded = load_model(config.model, config.device, config.dtype)
+    for spec in config.drafters:
+        check_model(RunConfig(method=spec.method, params=spec.params), loaded)
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
     convs = list(conversations())
     held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]

@@ -68,6 +68,10 @@ class Method(ABC):
         """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter."""
         return None
 
+    @classmethod
+    def check_model(cls, params, num_layers: int) -> None:
+        """Raise ValueError when these parameters cannot run on a target with `num_layers` layers."""
+
     @abstractmethod
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
@@ -106,11 +110,16 @@ def register(cls: type[Method]) -> type[Method]:
 
 def parse_params(cls: type[Method], raw: dict):
     """Build the method's Params from a dict, rejecting unknown names."""
-    known = {f.name for f in fields(cls.Params)}
-    unknown = set(raw) - known
+    types = {f.name: getattr(f.type, "__name__", str(f.type)) for f in fields(cls.Params)}
+    unknown = set(raw) - set(types)
     if unknown:
-        allowed = ", ".join(sorted(known)) or "none"
+        allowed = ", ".join(sorted(types)) or "none"
         raise ValueError(f"method {cls.name} has no parameter(s) {', '.join(sorted(unknown))} (allowed: {allowed})")
+    for name, value in raw.items():
+        if types[name] == "int" and not isinstance(value, int):
+            raise ValueError(f"parameter {name} of {cls.name} wants an integer, got {value!r}")
+        if types[name] == "str" and not isinstance(value, str):
+            raise ValueError(f"parameter {name} of {cls.name} wants a word, got {value!r}")
     return cls.Params(**raw)
 
 

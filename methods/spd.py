@@ -40,12 +40,18 @@ def pipeline_drafter(method: str, params: PipelineParams) -> tuple[str, str]:
 def load_speculator(target, method: str, policy: str, params: PipelineParams, checkpoint: str | None) -> Speculator:
     """The trained drafter for (target, method, n, Ls, schedule): from --checkpoint or the cache."""
     folder, saved = checkpoints.locate(target.identity, method, *pipeline_drafter(method, params), checkpoint)
-    config = SpeculatorConfig(**saved["speculator"])
+    if "speculator" not in saved:
+        raise HarnessError(f"{folder} holds a {saved.get('method', 'non-pipeline')} drafter, not an spd/ppsd one; "
+                           f"pass a pipeline drafter's checkpoint")
+    try:
+        config = SpeculatorConfig(**saved["speculator"])
+    except (TypeError, ValueError) as exc:
+        raise HarnessError(f"{folder}/config.json has an invalid speculator config ({exc}); retrain it") from None
     if (config.n, config.ls, config.schedule, config.policy) != (params.n, params.ls, params.schedule, policy):
         raise HarnessError(f"checkpoint {folder} is for {config.to_dict()}, not {params.tag} ({policy})")
     weights = checkpoints.load_weights(folder)
     speculator = Speculator(config, target, draft_ids=weights.get("draft_ids"))
-    speculator.load_state_dict(weights)
+    checkpoints.load_into(speculator, weights, folder)
     return speculator.eval()
 
 
@@ -58,6 +64,11 @@ class SPD(Method):
     @classmethod
     def drafter(cls, params: PipelineParams) -> tuple[str, str]:
         return pipeline_drafter(cls.name, params)
+
+    @classmethod
+    def check_model(cls, params: PipelineParams, num_layers: int) -> None:
+        if params.n > num_layers:
+            raise ValueError(f"--n {params.n} is outside 1..{num_layers}: the target has {num_layers} layers")
 
     def __init__(self, target, params: PipelineParams, stop_ids, checkpoint=None, speculator: Speculator | None = None):
         super().__init__(target, params, stop_ids, checkpoint)

@@ -89,13 +89,17 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
     [
         (["--method", "nope"], "unknown method 'nope'"),
         (["--dataset", "squad"], "unknown dataset"),
-        (["--temperature", "-0.5"], "temperature must be >= 0"),
+        (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
         (["--limit", "0"], "--limit must be a positive integer"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
         (["--model", "/no/such/model"], "model '/no/such/model' not found"),
         (["--param", "n"], "must look like name=value"),
         (["--param", "n=4"], "has no parameter"),
         (["--simulate"], "method autoregressive has no acceptance simulation; drop --simulate"),
+        (["--temperature", "nan"], "temperature must be a finite number"),
+        (["--checkpoint", "/tmp"], "method autoregressive uses no drafter; drop --checkpoint"),
+        (["--method", "spd", "--param", "n=abc"], "parameter n of spd wants an integer, got 'abc'"),
+        (["--data-dir", "/no/such/folder"], "--data-dir /no/such/folder is not a folder"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_path, eval_dir, cache):
@@ -135,3 +139,68 @@ def test_malformed_data_line_and_unreadable_results_file_exit_2(tmp_path, tiny_d
     assert bad.read_text() == "garbage\n"
     code, output = _run("report", "--results", str(bad))
     assert code == 2 and "not a result record" in output
+
+
+def _checkpoint(tmp_path, name: str, config: dict | str, weights: bytes | None = None):
+    """A drafter folder with a given config (dict or raw text) and weights file."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights is not None:
+        (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+SPD_CONFIG = {"n": 2, "ls": 1, "num_layers": 4}
+
+
+@pytest.mark.parametrize("name, config, weights, method, message", [
+    ("corrupt", {"method": "spd", "speculator": SPD_CONFIG}, b"\x00junk", "spd",
+     "model.safetensors is not a readable safetensors file"),
+    ("truncated", '{"method": "sp', None, "spd", "config.json is not a readable drafter config"),
+    ("eagle", {"method": "eagle3", "eagle": {"ttt": 3}}, None, "spd", "holds a eagle3 drafter, not an spd/ppsd one"),
+    ("spd", {"method": "spd", "speculator": SPD_CONFIG}, None, "eagle3", "holds a spd drafter, not an EAGLE-3 head"),
+    ("wrong-config", {"method": "spd", "speculator": {**SPD_CONFIG, "bogus": 1}}, None, "spd",
+     "has an invalid speculator config"),
+])
+def test_bad_checkpoints_exit_2_with_one_line_and_write_nothing(name, config, weights, method, message, tiny_dir,
+                                                               eval_dir, tmp_path, cache):
+    from harness.models import load_identity
+
+    if isinstance(config, dict):
+        config = {**config, "target": load_identity(str(tiny_dir)).to_dict()}
+    folder = _checkpoint(tmp_path, name, config, weights)
+    shape = ["--n", "2", "--ls", "1"] if method == "spd" else ["--param", "ttt=3"]
+    out = tmp_path / "r.jsonl"
+    code, output = _run("run", "--method", method, *shape, "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit",
+                        "1", "--data-dir", str(eval_dir), "--checkpoint", str(folder), "--out", str(out))
+    assert code == 2 and message in output and len(output.strip().splitlines()) == 1, output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "--method", "spd", "--n", "100", "--ls", "1"],
+    ["sweep", "--method", "spd", "--n", "100", "--ls", "1"],
+    ["train", "--method", "spd", "--n", "100", "--ls", "1", "--tokens", "64"],
+])
+def test_more_stages_than_layers_fails_up_front_with_the_range(command, tiny_dir, eval_dir, tmp_path, cache):
+    extra = [] if command[0] == "train" else ["--dataset", "gsm8k", "--limit", "1", "--data-dir", str(eval_dir)]
+    code, output = _run(*command, "--model", str(tiny_dir), *extra)
+    assert code == 2 and "--n 100 is outside 1..4" in output and "train one" not in output, output
+    assert len(output.strip().splitlines()) == 1
+
+
+def test_too_long_a_generation_for_the_context_is_refused(tiny_dir, eval_dir, tmp_path, cache):
+    out = tmp_path / "r.jsonl"
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--data-dir",
+                        str(eval_dir), "--max-new-tokens", "1000000000", "--out", str(out))
+    assert code == 2 and "exceeds the model's context of 512 tokens" in output, output
+    assert len(output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_turns_field_that_is_not_a_list_of_strings_names_file_and_line(tmp_path, tiny_dir, cache):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text('{"question_id": 1, "turns": ["ok"]}\n{"question_id": 2, "turns": "hi"}\n')
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--data-dir", str(data))
+    assert code == 2 and "gsm8k.jsonl:2: malformed dataset line" in output
