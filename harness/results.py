@@ -65,6 +65,7 @@ class Record:
     simulated: bool = False  # acceptance replayed on the AR output (no timing, no losslessness check)
     stats: dict = field(default_factory=dict)
     baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
+    prompt_source: dict = field(default_factory=dict)  # the prompt set's origin (file, package + version) and sha256
 
     @property
     def sample_key(self) -> tuple[str, str, str]:

@@ -66,8 +66,6 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"{exc}; fix the option") from None
     if config.checkpoint and REGISTRY[config.method].drafter(parse_params(REGISTRY[config.method], config.params)) is None:
         raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
-    if config.data_dir and not Path(config.data_dir).expanduser().is_dir():
-        raise HarnessError(f"--data-dir {config.data_dir} is not a folder; pass the folder that holds <dataset>.jsonl")
     if config.simulate and REGISTRY[config.method].simulate is Method.simulate:
         raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
     if config.limit is not None and config.limit < 1:
@@ -287,6 +285,7 @@ class Runner:
             simulated=c.simulate,
             versions=versions(),
             stats={**generation.stats, "drafter": self.drafter, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            prompt_source=sample.source,
             baseline=None if baseline is None else {
                 "method": REFERENCE_METHOD,
                 "new_tokens": len(baseline.output_ids),

@@ -49,6 +49,7 @@ def test_run_writes_one_lossless_record_per_sample_and_resumes_without_duplicate
     assert row["lossless"]["checked"] and row["lossless"]["identical"]
     assert row["model"]["name"] == tiny_dir.name and len(row["model"]["weights_sha256"]) == 64
     assert {"prefill", "decode"} <= set(row["timing"]) and row["versions"]["torch"]
+    assert row["prompt_source"]["origin"].endswith("gsm8k.jsonl") and len(row["prompt_source"]["sha256"]) == 16
 
     with open(out, "a") as fh:  # a run killed while writing its next record
         fh.write('{"config_key": "' + row["config_key"] + '", "dataset": "gs')

