@@ -86,8 +86,20 @@ class ResultStore:
             data = self.path.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise self._unreadable(exc) from None
-        complete = data[: data.rfind("\n") + 1]
-        return [self._parse(line, number) for number, line in enumerate(complete.splitlines(), 1) if line.strip()]
+        *lines, tail = data.split("\n")
+        rows = [self._parse(line, number) for number, line in enumerate(lines, 1) if line.strip()]
+        last = self._complete(tail)
+        return rows + ([last] if last is not None else [])
+
+    @staticmethod
+    def _complete(tail: str) -> dict | None:
+        """An unterminated last line that is a whole record (a file edited or copied without its final newline), or
+        None (a write in progress or cut short)."""
+        try:
+            row = json.loads(tail)
+        except ValueError:
+            return None
+        return row if isinstance(row, dict) and "config_key" in row else None
 
     @contextmanager
     def writing(self) -> Iterator[ResultStore]:
@@ -109,7 +121,11 @@ class ResultStore:
             size = os.fstat(fd).st_size
             data = os.pread(fd, size, 0)
             if data and not data.endswith(b"\n"):
-                os.ftruncate(fd, data.rfind(b"\n") + 1)
+                cut = data.rfind(b"\n") + 1
+                if self._complete(data[cut:].decode("utf-8", "replace")) is not None:
+                    os.pwrite(fd, b"\n", size)  # a whole record that only lacks its newline
+                else:
+                    os.ftruncate(fd, cut)  # the remains of a write that was cut short
             yield self
         finally:
             if created and os.fstat(fd).st_size == 0:

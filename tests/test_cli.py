@@ -205,3 +205,24 @@ def test_a_turns_field_that_is_not_a_list_of_strings_names_file_and_line(tmp_pat
     (data / "gsm8k.jsonl").write_text('{"question_id": 1, "turns": ["ok"]}\n{"question_id": 2, "turns": "hi"}\n')
     code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--data-dir", str(data))
     assert code == 2 and "gsm8k.jsonl:2: malformed dataset line" in output
+
+
+def test_run_refuses_a_results_file_another_run_is_writing_and_never_trims_a_foreign_file(tiny_dir, eval_dir,
+                                                                                           tmp_path, cache):
+    from harness.results import ResultStore
+
+    args = ["run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
+            "--data-dir", str(eval_dir)]
+    out = tmp_path / "same.jsonl"
+    with ResultStore(out).writing():  # another run holds the file
+        code, output = _run(*args, "--out", str(out))
+    assert code == 2 and "being written by another spd-bench run" in output and len(output.strip().splitlines()) == 1
+    notes = tmp_path / "notes.txt"
+    notes.write_text("line one\nimportant last line")
+    code, output = _run(*args, "--out", str(notes))
+    assert code == 2 and notes.read_text() == "line one\nimportant last line"
+    assert _run(*args, "--out", str(out))[0] == 0
+    out.write_text(out.read_text().rstrip("\n"))  # a copy that lost its final newline
+    before = out.read_bytes()
+    code, output = _run("report", "--results", str(out))
+    assert code == 0 and "| overall | no | 1 |" in output and out.read_bytes() == before

@@ -37,6 +37,15 @@ def test_a_reader_skips_a_torn_final_line_and_leaves_the_file_as_it_is(tmp_path)
     assert store.path.read_bytes() == before
 
 
+def test_a_last_record_without_its_newline_is_read_and_kept(tmp_path):
+    store = ResultStore(tmp_path / "r.jsonl")
+    store.path.write_text(json.dumps(_row(1)) + "\n" + json.dumps(_row(2)))
+    assert [r["question_id"] for r in load_all(store.path)[0]] == [1, 2]
+    with store.writing():
+        store.append(_row(3))
+    assert [r["question_id"] for r in store.load()] == [1, 2, 3]
+
+
 def test_the_writer_repairs_its_own_torn_tail(tmp_path):
     store = ResultStore(tmp_path / "r.jsonl")
     store.append(_row(1))
