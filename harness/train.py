@@ -127,6 +127,7 @@ class DrafterTrainer:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.step, self.tokens, self.validation = 0, 0, {}
+        self.curve: list[dict] = []  # the validation at every checkpoint, with the tokens seen by then
 
     def learning_rate(self) -> float:
         """Linear warm-up, then linear decay to zero at the last step."""
@@ -162,7 +163,8 @@ class DrafterTrainer:
     def save(self, extra_config: dict) -> None:
         config = {self.spec.config_name: self.module.config.to_dict(), "target": self.module.config.target,
                   "method": self.spec.method, "train": {"step": self.step, "tokens": self.tokens,
-                                                         "validation": self.validation, **extra_config}}
+                                                         "validation": self.validation, "curve": self.curve,
+                                                         **extra_config}}
         checkpoints.save(self.folder, self.module, config, self.state())
 
     def resume(self) -> None:
@@ -178,6 +180,7 @@ class DrafterTrainer:
             self.optimizer.state[by_name[name]][field_name] = value
         self.step, self.tokens = saved["train"]["step"], saved["train"]["tokens"]
         self.validation = saved["train"].get("validation", {})
+        self.curve = saved["train"].get("curve", [])
 
 
 def _aligned(pred, p: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +293,7 @@ def train(config: TrainConfig) -> list[Path]:
         if done % config.save_every == 0 or done == config.steps:
             for trainer in trainers:
                 trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids, trajectories)
+                trainer.curve.append({"step": trainer.step, "tokens": trainer.tokens, **trainer.validation})
                 trainer.save({"config": _config_dict(config)})
             bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
     bar.close()
@@ -337,5 +341,5 @@ def _record(loaded: LoadedModel, config: TrainConfig, trainers: list[DrafterTrai
         store.append({"kind": "train", "config_key": f"{t.spec.method}-{t.spec.tag}", "method": t.spec.method,
                       "params": t.spec.params,
                       "model": loaded.identity.to_dict(), "command": config.command, "tokens": t.tokens,
-                      "steps": t.step, "validation": t.validation, "checkpoint": str(t.folder),
+                      "steps": t.step, "validation": t.validation, "curve": t.curve, "checkpoint": str(t.folder),
                       "config": _config_dict(config), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -45,7 +45,9 @@ def test_train_then_resume_then_run_the_trained_drafter(tiny_dir, eval_dir, tmp_
     assert again.exit_code == 2 and "--resume" in again.output
     resumed = CliRunner().invoke(main, train + ["--tokens", "256", "--resume"])
     assert resumed.exit_code == 0, resumed.output
-    assert json.loads((checkpoint / "config.json").read_text())["train"]["step"] == 4
+    resumed_train = json.loads((checkpoint / "config.json").read_text())["train"]
+    assert resumed_train["step"] == 4
+    assert [(c["step"], c["tokens"]) for c in resumed_train["curve"]] == [(2, 128), (4, 256)]  # the learning curve
     record = json.loads((tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text().splitlines()[-1])
     assert record["tokens"] == 256 and "spd-bench train" in record["command"]
 
