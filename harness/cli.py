@@ -225,6 +225,7 @@ def report(results, fmt, out, summary):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
     from harness.metrics import summarize
     from harness.report import RENDERERS, markdown_summary, render_figures
+    from harness.results import load_training
 
     rows = _records(results)
     if not rows:
@@ -233,7 +234,9 @@ def report(results, fmt, out, summary):
     if summary:
         text = markdown_summary(summaries)
     elif fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
-        text = RENDERERS[fmt](summaries, render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent))
+        figures = render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent,
+                                 train_rows=load_training(results))
+        text = RENDERERS[fmt](summaries, figures)
     else:
         text = RENDERERS[fmt](summaries)
     if out is None:

@@ -175,3 +175,27 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")  # legends placed beside the axes stay in the picture
     plt.close(fig)
     return path
+
+
+def learning_curves(train_rows: list[dict], path: Path) -> Path | None:
+    """Validation against target tokens seen, one line per drafter: top-1 on held-out text (left) and the replayed
+    decoding's acceptance on held-out prompts (right)."""
+    curves = [(f"{r['method']} {r['config_key'].split('-', 1)[-1]}", r["curve"]) for r in train_rows if r.get("curve")]
+    if not curves:
+        return None
+    fig, (text, decoding) = plt.subplots(1, 2, figsize=(11, 4), squeeze=True)
+    for label, curve in curves:
+        tokens = [point["tokens"] / 1000 for point in curve]
+        text.plot(tokens, [point["top1"] for point in curve], marker="o", label=label)
+        if all("decoding" in point for point in curve):
+            decoding.plot(tokens, [point["decoding"]["acceptance"] for point in curve], marker="o", label=label)
+    for ax, title in ((text, "top-1 on held-out text"), (decoding, "decoding acceptance on held-out prompts")):
+        ax.set_xlabel("target tokens seen (thousands)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    text.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -307,7 +307,8 @@ def csv_text(summaries: list[Summary], figures: dict[str, str] | None = None) ->
 RENDERERS = {"markdown": markdown, "latex": latex, "csv": csv_text}
 
 
-def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, relative_to: Path) -> dict[str, str]:
+def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, relative_to: Path,
+                   train_rows: list[dict] = ()) -> dict[str, str]:
     """Write the report's PNG figures; returns {title: path relative to the report}."""
     from harness import figures
 
@@ -318,5 +319,6 @@ def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, rel
         "Acceptance by fill level / draft position": figures.acceptance(overall, folder / "acceptance.png"),
         "Tokens committed per round (draft-then-verify, T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
         "Speedups per executed configuration": figures.speedups(overall, folder / "speedups.png"),
+        "Drafter learning curves": figures.learning_curves(list(train_rows), folder / "learning_curves.png"),
     }
     return {title: str(path.relative_to(relative_to)) for title, path in made.items() if path is not None}

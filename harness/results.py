@@ -152,6 +152,16 @@ class ResultStore:
             ) from None
 
 
+def load_training(results: Path) -> list[dict]:
+    """The drafter training records (`spd-bench train`) in a results file or folder, the latest per drafter."""
+    results = Path(results)
+    files = [results] if results.is_file() else sorted(results.rglob("train.jsonl"))
+    latest = {}
+    for row in (row for f in files for row in ResultStore(f).load() if row.get("kind") == "train"):
+        latest[(row["model"]["name"], row["config_key"])] = row
+    return list(latest.values())
+
+
 def load_all(results: Path) -> tuple[list[dict], int]:
     """Every sample record in a results file or in all *.jsonl files under a folder, one per (config key, dataset,
     question id) (the first found), and how many duplicates were dropped."""

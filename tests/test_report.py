@@ -28,9 +28,13 @@ def test_report_blocks_ablation_speedups_and_figures(tmp_path):
         rows.append(_row("eagle3", {"m": 3, "width": 4, "ttt": 7}, dataset,
                          draft={"num_layers": 30, "ls": 1, "m": 3, "width": 4}))
     summaries = summarize(rows)
-    figures = render_figures(summaries, rows, tmp_path / "figures", relative_to=tmp_path)
+    curve = [{"tokens": t, "top1": a, "decoding": {"acceptance": a / 2}} for t, a in ((1024, 0.1), (2048, 0.2))]
+    train = [{"kind": "train", "method": "spd", "config_key": "spd-n8-ls1-input", "model": {"name": "m"},
+              "curve": curve}]
+    figures = render_figures(summaries, rows, tmp_path / "figures", relative_to=tmp_path, train_rows=train)
     assert set(figures.values()) == {"figures/acceptance.png", "figures/accepted_lengths.png", "figures/speedups.png",
-                                     "figures/speedup_over_n.png", "figures/spd_over_ls.png"}
+                                     "figures/speedup_over_n.png", "figures/spd_over_ls.png",
+                                     "figures/learning_curves.png"}
     assert all((tmp_path / p).stat().st_size > 1000 for p in figures.values())
     text = markdown(summaries, figures)
     assert "## T=0, width 1" in text and "## T=0, width 4" in text
