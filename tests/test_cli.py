@@ -226,3 +226,13 @@ def test_run_refuses_a_results_file_another_run_is_writing_and_never_trims_a_for
     before = out.read_bytes()
     code, output = _run("report", "--results", str(out))
     assert code == 0 and "| overall | no | 1 |" in output and out.read_bytes() == before
+
+
+def test_a_prompt_longer_than_the_context_is_refused(tmp_path, tiny_dir, cache):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text(json.dumps({"question_id": 1, "turns": ["word " * 600]}) + "\n")
+    out = tmp_path / "r.jsonl"
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--data-dir", str(data),
+                        "--max-new-tokens", "4", "--out", str(out))
+    assert code == 2 and "exceeds the model's context of 512 tokens" in output and not out.exists(), output
