@@ -75,6 +75,18 @@ def load_weights(folder: Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
         raise HarnessError(f"{path} is not a readable safetensors file ({exc}); retrain or restore it") from None
 
 
+def config_section(folder: Path, saved: dict, name: str, config_class, wanted: str):
+    """The drafter config under `name` (e.g. "speculator") as `config_class`, or one line saying what the folder
+    holds instead (`wanted` names the kind expected, e.g. "an EAGLE-3 head")."""
+    if name not in saved:
+        raise HarnessError(f"{folder} holds a {saved.get('method', 'different')} drafter, not {wanted}; pass a "
+                           f"checkpoint of that kind")
+    try:
+        return config_class(**saved[name])
+    except (TypeError, ValueError) as exc:
+        raise HarnessError(f"{folder}/{CONFIG} has an invalid {name} config ({exc}); retrain it") from None
+
+
 def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path) -> None:
     """Load a checkpoint's weights into the module its config describes, or say which file does not fit."""
     try:

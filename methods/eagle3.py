@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from harness import checkpoints
-from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Method, Timer, commit, register, require_tree_attention
 from methods.eagle_head import EagleConfig, EagleHead
@@ -37,13 +36,7 @@ class EagleParams:
 
 def load_head(target: TargetRuntime, params: EagleParams, checkpoint: str | None) -> EagleHead:
     folder, saved = checkpoints.locate(target.identity, "eagle3", *EAGLE3.drafter(params), checkpoint)
-    if "eagle" not in saved:
-        raise HarnessError(f"{folder} holds a {saved.get('method', 'non-EAGLE-3')} drafter, not an EAGLE-3 head; "
-                           f"pass an eagle3 checkpoint")
-    try:
-        config = EagleConfig(**saved["eagle"])
-    except (TypeError, ValueError) as exc:
-        raise HarnessError(f"{folder}/config.json has an invalid EAGLE-3 config ({exc}); retrain it") from None
+    config = checkpoints.config_section(folder, saved, "eagle", EagleConfig, "an EAGLE-3 head")
     weights = checkpoints.load_weights(folder)
     head = EagleHead(config, target, draft_ids=weights.get("draft_ids"))
     checkpoints.load_into(head, weights, folder)

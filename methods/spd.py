@@ -40,13 +40,7 @@ def pipeline_drafter(method: str, params: PipelineParams) -> tuple[str, str]:
 def load_speculator(target, method: str, policy: str, params: PipelineParams, checkpoint: str | None) -> Speculator:
     """The trained drafter for (target, method, n, Ls, schedule): from --checkpoint or the cache."""
     folder, saved = checkpoints.locate(target.identity, method, *pipeline_drafter(method, params), checkpoint)
-    if "speculator" not in saved:
-        raise HarnessError(f"{folder} holds a {saved.get('method', 'non-pipeline')} drafter, not an spd/ppsd one; "
-                           f"pass a pipeline drafter's checkpoint")
-    try:
-        config = SpeculatorConfig(**saved["speculator"])
-    except (TypeError, ValueError) as exc:
-        raise HarnessError(f"{folder}/config.json has an invalid speculator config ({exc}); retrain it") from None
+    config = checkpoints.config_section(folder, saved, "speculator", SpeculatorConfig, "an spd/ppsd one")
     if (config.n, config.ls, config.schedule, config.policy) != (params.n, params.ls, params.schedule, policy):
         raise HarnessError(f"checkpoint {folder} is for {config.to_dict()}, not {params.tag} ({policy})")
     weights = checkpoints.load_weights(folder)

@@ -62,3 +62,25 @@ def test_parity_command_finds_the_engines_drafter_states_equal_the_training_layo
     assert record["lossless"] and not record["mismatches"] and len(fills) == 2
     assert fills[0]["states"] > 0 and all(f["disagree"] == 0 and f["replay_disagree"] == 0 for f in fills)
     assert fills[1]["all_states"] > 0
+
+
+def test_the_gate_fails_when_the_drafter_reads_a_feature_from_the_wrong_depth(tmp_path, monkeypatch):
+    """The committed gate's SPD configuration rerun with the shipped drafter fed its deepest feature one layer too
+    shallow (an off-by-one in capture): acceptance drops beyond the tolerance and `check` exits 1."""
+    from pathlib import Path
+
+    from methods import speculator
+
+    original = speculator.feature_layers
+
+    def one_too_shallow(policy, bounds, depth):
+        layers = original(policy, bounds, depth)
+        return (*layers[:-1], layers[-1] - 1) if depth else layers
+
+    monkeypatch.setattr(speculator, "feature_layers", one_too_shallow)
+    gate = Path(__file__).parent / "baselines" / "regression.json"
+    baseline = tmp_path / "spd.json"
+    baseline.write_text(json.dumps([e for e in json.loads(gate.read_text()) if e["run"]["method"] == "spd"]))
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--rerun", "--results",
+                                       str(tmp_path / "rerun"), "--tolerance", "0.1"])
+    assert result.exit_code == 1 and "1 of 1 configurations failed" in result.output, result.output
