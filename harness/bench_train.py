@@ -20,7 +20,7 @@ from harness.models import load_model
 from harness.results import ResultStore, config_key
 from harness.runner import versions
 from harness.target import TargetRuntime
-from harness.train import DrafterTrainer, TrainConfig, _training_chunks, draft_vocabulary, teacher
+from harness.train import DrafterTrainer, TrainConfig, draft_vocabulary, teacher, training_chunks
 
 
 @dataclass
@@ -52,7 +52,7 @@ def bench_train(config: TrainConfig, timed_steps: int) -> list[TrainBench]:
     loaded = load_model(config.model, config.device, config.dtype)
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
     convs = list(conversations())[: -config.val_conversations]
-    chunks = _training_chunks(config, loaded, convs)
+    chunks = training_chunks(config, loaded, convs)
     draft_ids = draft_vocabulary(loaded, convs, chunks, config.draft_vocab)
     trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
     layers = tuple(sorted({layer for t in trainers for layer in t.module.config.all_feature_layers()}))
@@ -76,11 +76,12 @@ def bench_train(config: TrainConfig, timed_steps: int) -> list[TrainBench]:
     teacher_rate = _rate(tokens, teacher_s)
     results = []
     for trainer, seconds in zip(trainers, drafter_s):
-        spec = {"kind": "train", "drafter": f"{trainer.spec.method}-{trainer.spec.tag}", "model": loaded.identity.to_dict(),
-                "device": loaded.device.type, "threads": torch.get_num_threads(), "seq_len": config.seq_len,
+        spec = {"kind": "train", "drafter": f"{trainer.spec.method}-{trainer.spec.tag}",
+                "model": loaded.identity.to_dict(), "device": loaded.device.type, "threads": torch.get_num_threads(), "seq_len": config.seq_len,
                 "batch_size": config.batch_size}
         results.append(TrainBench(**spec, steps=timed_steps, teacher_tokens_s=teacher_rate,
-                                  drafter_tokens_s=_rate(tokens, seconds), alone_tokens_s=_rate(tokens, teacher_s + seconds),
+                                  drafter_tokens_s=_rate(tokens, seconds),
+                                  alone_tokens_s=_rate(tokens, teacher_s + seconds),
                                   versions=versions(), config_key=config_key(spec)))
     return results
 

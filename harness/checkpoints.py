@@ -125,7 +125,8 @@ def check_target(config: dict, identity, folder: Path | None = None) -> None:
     trained_for = config.get("target", {})
     if identity is not None and trained_for.get("weights_sha256") != identity.weights_sha256:
         raise HarnessError(
-            f"drafter{f' {folder}' if folder else ''} was trained for {trained_for.get('name')} ({str(trained_for.get('weights_sha256'))[:12]}) "
+            f"drafter{f' {folder}' if folder else ''} was trained for {trained_for.get('name')} "
+            f"({str(trained_for.get('weights_sha256'))[:12]}) "
             f"but the target is {identity.name} ({identity.weights_sha256[:12]}); train one for this target"
         )
 

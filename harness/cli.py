@@ -358,7 +358,8 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @click.option("--m", "m_values", default="7", show_default=True, help="EAGLE-3 training-time-test steps.")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Timed batches (after one warm-up).")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed batches (after one warm-up).")
 @model_option
 @device_option
 @dtype_option

@@ -109,7 +109,8 @@ def _from_hub(name: str) -> list[Sample] | None:
 
         if name == "gsm8k":
             rows = datasets.load_dataset("openai/gsm8k", "main", split="test")
-            return _with_source([Sample(name, i, "math", r["question"]) for i, r in enumerate(rows)], "hub openai/gsm8k")
+            return _with_source([Sample(name, i, "math", r["question"]) for i, r in enumerate(rows)],
+                                "hub openai/gsm8k")
         if name == "humaneval":
             rows = datasets.load_dataset("openai/openai_humaneval", split="test")
             return _with_source([_humaneval_sample(r) for r in rows], "hub openai/openai_humaneval")

@@ -199,8 +199,8 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
 
 def summary_table(overall: list[Summary]) -> Table:
     """One line per configuration, pooled over datasets: what `make bench` ends with."""
-    rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.samples), _num(s.acceptance), _num(s.tokens_per_step),
-             _num(s.l_acc), _num(s.theoretical_speedup), _num(s.wall_clock_speedup),
+    rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.samples), _num(s.acceptance),
+             _num(s.tokens_per_step), _num(s.l_acc), _num(s.theoretical_speedup), _num(s.wall_clock_speedup),
              "—" if s.lossless_pct is None else f"{s.identical}/{s.checked}"] for s in overall]
     return Table("Measured acceptance and speedups (pooled over datasets)",
                  ["config", "width", "T", "samples", "acceptance", "tokens/step", "L'acc", "theoretical x",
@@ -232,7 +232,8 @@ def missing_points(summaries: list[Summary]) -> list[GridPoint]:
 
 def tables(summaries: list[Summary]) -> list[Table]:
     overall = [s for s in summaries if s.dataset == OVERALL]
-    return ([summary_table(overall)] + main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall) + speedup_table(overall)
+    return ([summary_table(overall)] + main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall)
+            + speedup_table(overall)
             + acceptance_tables(overall) + simulation_table(overall) + reference_table(summaries)
             + lossless_table(overall)
             + [detail_table(summaries)])

@@ -59,14 +59,16 @@ def validate(config: RunConfig) -> None:
     check_model_spec(config.model)
     if config.method not in REGISTRY:
         raise HarnessError(f"unknown method {config.method!r}; choose from {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[config.method]
     try:
-        config.params = asdict(parse_params(REGISTRY[config.method], config.params))
+        params = parse_params(cls, config.params)
+        config.params = asdict(params)
         config.sampling()
     except (ValueError, TypeError) as exc:
         raise HarnessError(f"{exc}; fix the option") from None
-    if config.checkpoint and REGISTRY[config.method].drafter(parse_params(REGISTRY[config.method], config.params)) is None:
+    if config.checkpoint and cls.drafter(params) is None:
         raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
-    if config.simulate and REGISTRY[config.method].simulate is Method.simulate:
+    if config.simulate and cls.simulate is Method.simulate:
         raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
     if config.limit is not None and config.limit < 1:
         raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
@@ -74,11 +76,11 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
 
 
-def check_model(config: RunConfig, loaded: LoadedModel) -> None:
+def check_model(method: str, params: dict, loaded: LoadedModel) -> None:
     """What only the loaded model can tell: the method's parameters fit its layers (e.g. pipeline stages)."""
-    cls = REGISTRY[config.method]
+    cls = REGISTRY[method]
     try:
-        cls.check_model(parse_params(cls, config.params), len(loaded.model.model.layers))
+        cls.check_model(parse_params(cls, params), len(loaded.model.model.layers))
     except ValueError as exc:
         raise HarnessError(f"{exc}; fix the option") from None
 
@@ -323,7 +325,7 @@ def run(config: RunConfig) -> Path:
     if store_path is not None:
         ResultStore(store_path).load()  # an unreadable file fails here, before the model loads
     loaded = load_model(config.model, config.device, config.dtype)
-    check_model(config, loaded)
+    check_model(config.method, config.params, loaded)
     store = ResultStore(store_path or default_out(config, loaded.identity.name))
     store.load()
     Runner(config, loaded).run(samples, store)

@@ -77,7 +77,7 @@ def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> Swe
     loaded = load_model(base.model, base.device, base.dtype)
     skipped, runners = [], {}
     for config in configs.values():
-        check_model(config, loaded)
+        check_model(config.method, config.params, loaded)
     for point, config in configs.items():
         command = missing_drafter(config, loaded.identity)
         if command is not None:

@@ -24,7 +24,7 @@ from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_
 from harness.models import LoadedModel, load_model
 from harness.objectives import EagleSpec, PipelineSpec
 from harness.results import ResultStore
-from harness.runner import RunConfig, check_model, stop_ids
+from harness.runner import check_model, stop_ids
 from harness.target import TargetRuntime
 
 DrafterSpec = PipelineSpec | EagleSpec
@@ -228,7 +228,7 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
             **({"decoding": decoding} if decoding else {})}
 
 
-def _training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
+def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
     needed = config.steps * config.batch_size
     chunks: list[Chunk] = []
     for start in range(0, len(convs), 64):
@@ -246,11 +246,11 @@ def train(config: TrainConfig) -> list[Path]:
     torch.manual_seed(config.seed)
     loaded = load_model(config.model, config.device, config.dtype)
     for spec in config.drafters:
-        check_model(RunConfig(method=spec.method, params=spec.params), loaded)
+        check_model(spec.method, spec.params, loaded)
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
     convs = list(conversations())
     held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]
-    chunks = _training_chunks(config, loaded, train_convs)
+    chunks = training_chunks(config, loaded, train_convs)
     val_chunks = _chunks(loaded, held_out, config.seq_len)[:config.val_chunks]
     draft_ids = _saved_draft_ids(target, config) if config.resume else None
     if draft_ids is None:

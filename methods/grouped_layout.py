@@ -9,8 +9,9 @@ depth q + k; a group sees the finished rows before its first position and its ow
 Each in-flight row belongs to exactly one query, so this is the depth-unrolled layout ((n+1) rows per position, a
 dense [(n+1)S]^2 mask) with its rows regrouped: the same rows, the same visibility, hence the same logits. Attention
 is block-sparse here: [K, S] scores to the finished rows and [K, K] within the group per query, instead of the dense
-mask (tests/unrolled_reference.py writes that layout out as the reference this one reproduces). Decoder layers run unchanged; only their attention
-kernel, registered with transformers as GROUPED, reads the layout. Any other mask goes to the usual sdpa kernel.
+mask (tests/unrolled_reference.py writes that layout out as the reference this one reproduces). Decoder layers run
+unchanged; only their attention kernel, registered with transformers as GROUPED, reads the layout. Any other mask
+goes to the usual sdpa kernel.
 """
 
 from __future__ import annotations
