@@ -23,7 +23,7 @@ TRAIN_STATE = "train_state.safetensors"  # optimiser state, for --resume
 
 def drafter_dir(identity, method: str, tag: str) -> Path:
     """Cache folder of a drafter, keyed by target weights and method configuration (e.g. `n8-ls4-input`)."""
-    return cache_dir() / "drafters" / f"{identity.name.replace('/', '--')}-{identity.weights_sha256[:12]}" / f"{method}-{tag}"
+    return cache_dir() / "drafters" / identity.slug / f"{method}-{tag}"
 
 
 def save(folder: Path, module: torch.nn.Module, config: dict, extra: dict[str, torch.Tensor] | None = None) -> None:

@@ -427,6 +427,9 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
 @click.option("--val-prompts", type=click.IntRange(min=0), default=8, show_default=True,
               help="Held-out prompts decoded greedily once; validation replays decoding on them (0: text top-1 only).")
+@click.option("--corpus", type=click.Choice(["sharegpt", "self"]), default="sharegpt", show_default=True,
+              help="Train on ShareGPT's replies, or on the target's own greedy replies to ShareGPT first turns "
+                   "(generated once, cached).")
 @click.option("--init", type=click.Choice(["identity", "target"]), default="target", show_default=True,
               help="Pipeline drafter layers start as copies of the target's last layers or as identity (residual "
                    "branches zero).")
@@ -437,7 +440,7 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @device_option
 @dtype_option
 def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, batch_size, lr, draft_vocab, save_every,
-          val_prompts, init, autocast, resume, model, device, dtype):
+          val_prompts, corpus, init, autocast, resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
@@ -446,11 +449,11 @@ def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, ba
     shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
                                                 ("m", m_values)) if v is not None)
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
-                         draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, init=init,
-                         autocast=autocast, device=device, dtype=dtype, resume=resume,
+                         draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, corpus=corpus,
+                         init=init, autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
-                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --init {init} "
+                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} --init {init} "
                                   f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):

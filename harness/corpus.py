@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from harness.errors import HarnessError
 
@@ -73,6 +73,11 @@ def encode(tokenizer, messages: list[dict], max_tokens: int) -> Example:
     offsets = encoded["offset_mapping"][:max_tokens]
     assistant = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
     return Example(ids, assistant)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation so far rendered with the generation prompt, as the target sees it before replying."""
+    return tokenizer(_render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:

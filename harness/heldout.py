@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.corpus import prompt_ids
 from harness.lossless import ReferenceCache
 from harness.models import LoadedModel
 from harness.target import TargetRuntime
@@ -38,9 +39,7 @@ def first_turns(loaded: LoadedModel, convs: list[list[dict]], count: int, max_pr
     for messages in convs:
         if len(prompts) >= count:
             break
-        prompt = loaded.tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True,
-                                                      enable_thinking=False)
-        ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids(loaded.tokenizer, messages[:1])
         if len(ids) <= max_prompt:
             prompts.append(ids)
     return prompts

@@ -47,6 +47,11 @@ class ModelIdentity:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def slug(self) -> str:
+        """Folder name for artefacts derived from these weights."""
+        return f"{self.name.replace('/', '--')}-{self.weights_sha256[:12]}"
+
 
 @dataclass
 class LoadedModel:

@@ -12,6 +12,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from harness.errors import HarnessError
 from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.models import LoadedModel, load_model
 from harness.objectives import EagleSpec, PipelineSpec
+from harness.regenerate import self_distilled
 from harness.results import ResultStore
 from harness.runner import check_model, stop_ids
 from harness.target import TargetRuntime
@@ -42,6 +44,8 @@ class TrainConfig:
     clip: float = 1.0
     draft_vocab: int = 8192  # 0: the full vocabulary
     partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
+    corpus: str = "sharegpt"  # ShareGPT replies as written, or "self": the target's greedy replies (regenerate.py)
+    reply_tokens: int = 256  # longest regenerated reply
     init: str = "target"  # pipeline drafter layers start as the target's last layers, or as identity (objectives.py)
     autocast: bool = True  # drafter forward/backward under bf16 autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
@@ -229,10 +233,13 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
 
 
 def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
+    """The run's token budget in chunks, taken from the corpus in order (regenerated lazily for --corpus self)."""
     needed = config.steps * config.batch_size
+    source = iter(convs) if config.corpus == "sharegpt" else \
+        self_distilled(loaded, convs, config.reply_tokens, stop_ids(loaded))
     chunks: list[Chunk] = []
-    for start in range(0, len(convs), 64):
-        chunks += _chunks(loaded, convs[start:start + 64], config.seq_len)
+    while group := list(islice(source, 64)):
+        chunks += _chunks(loaded, group, config.seq_len)
         if len(chunks) >= needed:
             return chunks[:needed]
     raise HarnessError(f"the corpus yields {len(chunks)} chunks of {config.seq_len} tokens, fewer than the "

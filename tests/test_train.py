@@ -214,3 +214,25 @@ def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir
     result = CliRunner().invoke(main, [*run, "--out", str(tmp_path / "bad.jsonl")])
     assert result.exit_code == 2 and "model.safetensors" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "bad.jsonl").exists()
+
+
+def test_train_on_the_targets_own_replies(tiny_dir, tmp_path, cache):  # noqa: F811
+    from harness.models import load_model
+    from harness.train import TrainConfig, training_chunks
+
+    args = ["train", "--model", str(tiny_dir), "--method", "eagle3", "--m", "1", "--seq-len", "32", "--batch-size",
+            "2", "--draft-vocab", "512", "--val-prompts", "0", "--tokens", "128", "--corpus", "self"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (replies,) = (tmp_path / "cache" / "corpus").glob("*/greedy-*.jsonl")
+    first = json.loads(replies.read_text().splitlines()[0])
+    record = json.loads((tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text().splitlines()[-1])
+    assert "--corpus self" in record["command"] and record["config"]["corpus"] == "self"
+
+    loaded = load_model(str(tiny_dir))
+    config = TrainConfig(drafters=[], model=str(tiny_dir), tokens=128, seq_len=32, batch_size=2, corpus="self")
+    chunks = training_chunks(config, loaded, list(conversations()))
+    user = next(conversations())[0]
+    expected = encode(loaded.tokenizer, [user, {"role": "assistant", "content": first["reply"]}], 4096).ids
+    windows = [expected[start:start + 32] for start in range(0, len(expected) - 32, 32)]
+    assert chunks[0].ids.tolist() in windows  # the stream opens with the first regenerated exchange
