@@ -65,3 +65,29 @@ def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells(
     tex = latex(summaries)
     assert tex.count(r"\begin{tabular}") == len(tables(summaries))
     assert r"1.25 $\cdot$ 9.38 $\cdot$ 9.38x" in tex and r"mt\_bench" in tex
+
+
+def _steps(row, steps):
+    row["steps"] = steps
+    return row
+
+
+def test_claims_are_checked_on_the_records_with_the_figures_compared():
+    from harness.claims import verdicts
+
+    rows = []
+    for model, (steps_n4, steps_n8) in (("m", (10, 8)), ("m2", (5, 8))):  # alpha 1.0 -> 1.25 on m, 2.0 -> 1.25 on m2
+        for n, steps in ((4, steps_n4), (8, steps_n8)):
+            rows.append(_steps(_row("spd", {"n": n, "ls": 4, "schedule": "input", "width": 1}, "gsm8k", "input",
+                                    model=model), steps))
+    rows.append(_steps(_row("spd", {"n": 8, "ls": 4, "schedule": "output", "width": 1}, "gsm8k", "output"), 5))
+    found = {(v.claim.split(" (")[0], v.model): v for v in verdicts(summarize(rows))}
+    lacc = found["L'acc rises from n=4 to n=8", "m"]
+    assert lacc.verdict == "agrees" and lacc.measured == "Ls=4: n=4 7.50 -> n=8 9.38"
+    assert found["L'acc rises from n=4 to n=8", "m2"].verdict == "disagrees"
+    # output alpha 10/5 = 2.0 > input 1.25, theoretical output 2.0 * 30 / (4 + 4) = 7.5 < input 9.38
+    tradeoff = found["The output schedule has higher alpha but lower theoretical speedup than the input schedule", "m"]
+    assert tradeoff.verdict == "agrees" and "alpha input 1.25 / output 2.00" in tradeoff.measured
+    eagle = found["EAGLE-3 m=7 beats m=15", "m"]
+    assert eagle.verdict == "not measured" and "spd-bench sweep --method eagle3 --m 7,15" in eagle.measured
+    assert "## The paper's claims, as measured here" in markdown(summarize(rows))
