@@ -397,8 +397,10 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
             continue
         schedule_list = [s.strip() for s in (schedules or DEFAULT_SCHEDULE[method]).split(",") if s.strip()]
         if any(s not in ("input", "output") for s in schedule_list) or not schedule_list or (
-                method == "ppsd" and schedule_list != ["output"]):
+                method == "ppsd" and "output" not in schedule_list):
             raise click.BadParameter(f"--schedule must list input and/or output (ppsd: output), got {schedules!r}")
+        if method == "ppsd":  # PPSD drafts from output states only; a list with spd's schedules still trains it
+            schedule_list = ["output"]
         specs += [PipelineSpec(method, n, ls, s, POLICIES[method]) for n in _values(n_values)
                   for ls in _values(ls_values or DEFAULT_LS[method]) for s in schedule_list]
     if any(getattr(s, "n", 1) < 1 or getattr(s, "ls", 1) < 1 or getattr(s, "ttt", 1) < 1 for s in specs):

@@ -273,7 +273,7 @@ def train(config: TrainConfig) -> list[Path]:
     prompts = first_turns(loaded, held_out, config.val_prompts, max_prompt=4 * config.seq_len)
     trajectories = greedy_trajectories(loaded, prompts, config.val_new_tokens, layers, stop_ids(loaded)) \
         if prompts else None
-    start = min(t.step for t in trainers)
+    start, start_steps = min(t.step for t in trainers), {id(t): t.step for t in trainers}
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True)
     began = time.perf_counter()
@@ -298,13 +298,14 @@ def train(config: TrainConfig) -> list[Path]:
         bar.set_postfix(tok_s=f"{tokens_s:.0f}", **postfix)
         bar.update()
         if done % config.save_every == 0 or done == config.steps:
-            for trainer in trainers:
+            trained = [t for t in trainers if t.step == done and done > start_steps[id(t)]]  # not one resumed done
+            for trainer in trained:
                 trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids, trajectories)
                 trainer.curve.append({"step": trainer.step, "tokens": trainer.tokens, **trainer.validation})
                 trainer.save({"config": _config_dict(config)})
             bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
     bar.close()
-    _record(loaded, config, trainers)
+    _record(loaded, config, [t for t in trainers if t.step > start_steps[id(t)]])
     return [t.folder for t in trainers]
 
 

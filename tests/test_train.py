@@ -236,3 +236,19 @@ def test_train_on_the_targets_own_replies(tiny_dir, tmp_path, cache):  # noqa: F
     expected = encode(loaded.tokenizer, [user, {"role": "assistant", "content": first["reply"]}], 4096).ids
     windows = [expected[start:start + 32] for start in range(0, len(expected) - 32, 32)]
     assert chunks[0].ids.tolist() in windows  # the stream opens with the first regenerated exchange
+
+
+def test_a_second_run_adds_drafters_beside_a_finished_one_without_touching_it(tiny_dir, tmp_path, cache):  # noqa: F811
+    base = ["train", "--model", str(tiny_dir), "--n", "2", "--ls", "1", "--seq-len", "32", "--batch-size", "2",
+            "--draft-vocab", "512", "--val-prompts", "0", "--tokens", "64"]
+    assert CliRunner().invoke(main, [*base, "--method", "spd"]).exit_code == 0
+    (finished,) = (tmp_path / "cache" / "drafters").glob("*/spd-n2-ls1-input")
+    before = (finished / "model.safetensors").read_bytes(), json.loads((finished / "config.json").read_text())
+    result = CliRunner().invoke(main, [*base, "--method", "spd,ppsd", "--schedule", "input,output", "--resume"])
+    assert result.exit_code == 0, result.output
+    folders = sorted(p.name for p in finished.parent.iterdir())
+    assert folders == ["ppsd-n2-ls1-output", "spd-n2-ls1-input", "spd-n2-ls1-output"]  # ppsd drafts from outputs only
+    assert before == ((finished / "model.safetensors").read_bytes(), json.loads((finished / "config.json").read_text()))
+    records = [json.loads(line) for line in (tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text()
+               .splitlines()]
+    assert [r["config_key"] for r in records] == ["spd-n2-ls1-input", "spd-n2-ls1-output", "ppsd-n2-ls1-output"]
