@@ -292,7 +292,7 @@ def train(config: TrainConfig) -> list[Path]:
                 continue
             stats = trainer.train_step(features, ids, p_draft, mask, rng)
             trainer.tokens += ids.numel()
-            postfix[trainer.spec.tag] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
+            postfix[f"{trainer.spec.method}-{trainer.spec.tag}"] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
         done = step + 1
         tokens_s = (done - start) * ids.numel() / (time.perf_counter() - began)
         bar.set_postfix(tok_s=f"{tokens_s:.0f}", **postfix)

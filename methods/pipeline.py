@@ -6,11 +6,10 @@ target distribution verifies the tokens in flight right behind it. Accept: the a
 the drafts enter stage 0. Reject: KV is truncated (linear-attention state rewound), the pipeline is flushed and the
 correction enters alone. SPD, its output-state ablation and PPSD are configurations (feature policy x schedule).
 
-In-flight tokens form levels, one per position (oldest first). Width 1 keeps one token per level (a chain);
-width W keeps up to W branches ranked by cumulative draft log-probability. Every node of a level runs its stage in
-one batched call with a tree mask; a branch's KV lives at its position when it is alone there, else in a sibling
-slot (position + b * n) that is moved to the position when the target accepts it. Every kept node leads to a
-newest-level leaf, so after any acceptance stage 0 still has work.
+The engine is the scheduler: it owns drafting, pruning, the verification rules, flush and refill, and works on
+tokens (methods/pipeline_tree.py: levels of up to W branches; every kept node leads to a newest-level leaf, so
+after any acceptance stage 0 still has work). A `StageExecutor` (methods/pipeline_executor.py) runs the target's
+side: in this process (`LocalExecutor`, the default) or read from a teacher pass (the replay).
 """
 
 from __future__ import annotations
@@ -21,70 +20,13 @@ import torch
 
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Timer, require_tree_attention
+from methods.pipeline_executor import LocalExecutor, StageExecutor
+from methods.pipeline_tree import Level, Token, fill_level, is_chain, keep_subtree, prune_dead_branches, tree_mask
 from methods.sampling import Sampler
 from methods.speculator import Speculator
 from methods.verify import accept_or_resample, verify_siblings
 
-
-@dataclass(eq=False)
-class Token:
-    """A token in the pipeline: its position, id, current hidden state, features so far and place in the tree."""
-
-    position: int
-    token: int
-    depth: int
-    hidden: torch.Tensor | None  # [1, 1, D] while in flight; None for prompt rows
-    features: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, 1, D]
-    draft_probs: torch.Tensor | None = None  # q of a sampled chain draft (T > 0, width 1)
-    fill: int = 0  # in-flight levels older than it when it was drafted (pipeline fill level)
-    slot: int = -1  # KV slot in the target and drafter caches (-1: its position)
-    parent: Token | None = None  # the in-flight token it continues (None once that one finished)
-    score: float = 0.0  # cumulative draft log-probability of its branch
-
-    def __post_init__(self):
-        if self.slot < 0:
-            self.slot = self.position
-
-
-Level = list[Token]
-
-
-def is_chain(levels: list[Level]) -> bool:
-    """One token per level, each at its own position: plain causal calls need no mask."""
-    return all(len(level) == 1 and level[0].slot == level[0].position for level in levels)
-
-
-def tree_mask(rows: list[Token], base: int, kv_end: int) -> torch.Tensor:
-    """[rows, kv_end]: every slot below `base` (finished tokens) plus the row's in-flight ancestors and itself."""
-    mask = torch.zeros(len(rows), kv_end, dtype=torch.bool)
-    mask[:, :base] = True
-    for i, node in enumerate(rows):
-        while node is not None and node.position >= base:
-            mask[i, node.slot] = True
-            node = node.parent
-    return mask
-
-
-def fill_level(levels: list[Level]) -> int:
-    """In-flight levels older than the newest when the drafter runs (0 right after prefill or a flush)."""
-    return max(0, len(levels) - 1)
-
-
-def prune_dead_branches(levels: list[Level]) -> None:
-    """Drop (in place) every node with no descendant in the newest level."""
-    for older, newer in zip(reversed(levels[:-1]), reversed(levels[1:])):
-        parents = {id(t.parent) for t in newer}
-        older[:] = [t for t in older if id(t) in parents]
-
-
-def keep_subtree(chosen: Token, levels: list[Level]) -> None:
-    """`chosen` is verified: its level keeps only it, later levels only its descendants (in place)."""
-    start = next(i for i, level in enumerate(levels) if any(t is chosen for t in level))
-    levels[start][:] = [chosen]
-    alive = {id(chosen)}
-    for level in levels[start + 1 :]:
-        level[:] = [t for t in level if id(t.parent) in alive]
-        alive = {id(t) for t in level}
+PLACEHOLDER = -1  # token id drafted where no draft can change an outcome (see StageExecutor.outcomes_known)
 
 
 @dataclass
@@ -143,10 +85,11 @@ class Drafter:
 
 
 class PipelineEngine:
-    """Runs one generation; all state lives here, the target runtime and drafter are reset per prompt."""
+    """Runs one generation; all scheduling state lives here, the executor's and drafter's caches are reset per
+    prompt."""
 
     def __init__(self, target: TargetRuntime, speculator: Speculator, stop_ids: set[int], width: int = 1,
-                 drafter_class=Drafter):
+                 drafter_class=Drafter, executor: StageExecutor | None = None):
         self.target = target
         self.drafter_class = drafter_class
         self.speculator = speculator
@@ -155,16 +98,11 @@ class PipelineEngine:
         self.width = width
         self.bounds = self.config.bounds
         self.capture = self.config.all_feature_layers()
-        if target.rewind_window < self.config.n:
-            raise ValueError(f"target rewind window {target.rewind_window} < n = {self.config.n}")
         require_tree_attention(target, width)
+        self.executor = executor or LocalExecutor(target, self.bounds, self.capture, width)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        self.target.reset()
-        return self.decode(prompt_ids, max_new_tokens, sampler)
-
-    def decode(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        """One generation on the target's cache as it is (`generate` starts it empty; a replay keeps its teacher KV)."""
+        self.executor.start()
         drafter = self.drafter_class(self.speculator, self.target.max_len)
         timer = Timer(self.target.device)
         with timer("prefill"):
@@ -193,7 +131,8 @@ class PipelineEngine:
         if self.config.schedule == "input":
             draft = self._timed_draft(run, drafter, sampler, timer)
         with timer("stages"):
-            run.stage_runs += self._advance(run.in_flight)
+            self.executor.advance(run.in_flight)
+        run.stage_runs += sum(len(level) for level in run.in_flight)
         finished = None
         if run.in_flight[0][0].depth == self.config.n:
             (finished,) = run.in_flight.pop(0)
@@ -216,12 +155,12 @@ class PipelineEngine:
             run.fill_accepts[fill] += 1
             run.output.append(chosen.token)
             keep_subtree(chosen, levels)
-            self._commit_slot(chosen)
+            self.executor.commit(chosen)
             run.in_flight.append(draft)
             return
         run.output.append(token)
         position = finished.position + 1
-        self._flush(position)
+        self.executor.truncate(position)
         run.in_flight = [self._new_tokens(position, [token], [None], [0.0], fill=0)]
 
     def _timed_draft(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> Level:
@@ -233,35 +172,34 @@ class PipelineEngine:
 
     # --- steps ----------------------------------------------------------------------------------------------------
     def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
-        """Full forward over the prompt; its tokens are finished rows for the drafter, the sampled token enters."""
-        target = self.target
-        ids = torch.tensor(prompt_ids, device=target.device)
-        logits, captured = target.forward(ids, start=0, capture=self.capture)
+        """The prompt's forward; its tokens are finished rows for the drafter, the sampled token enters."""
+        logits, captured = self.executor.prefill(prompt_ids)
         n = self.config.n
         prompt_rows = [
             Token(p, t, n, None, {layer: captured[layer][:, p : p + 1] for layer in self.capture})
             for p, t in enumerate(prompt_ids)
         ]
-        (first,) = self._new_tokens(len(prompt_ids), [sampler.pick(logits[-1])], [None], [0.0], fill=0)
+        (first,) = self._new_tokens(len(prompt_ids), [sampler.pick(logits)], [None], [0.0], fill=0)
         return first, prompt_rows
 
     def _new_tokens(self, position: int, tokens: list[int], parents: list, scores: list[float], fill: int,
                     q: torch.Tensor | None = None) -> Level:
         """A level of fresh tokens at depth 0; the b-th sibling gets slot position + b * n."""
-        h = self.target.embed(torch.tensor(tokens, device=self.target.device))
-        return [
-            Token(position, token, 0, h[:, b : b + 1], {0: h[:, b : b + 1]}, q, fill,
-                  slot=position + b * self.config.n, parent=parent, score=score)
-            for b, (token, parent, score) in enumerate(zip(tokens, parents, scores))
-        ]
+        level = [Token(position, token, 0, None, {}, q, fill, slot=position + b * self.config.n, parent=parent,
+                       score=score)
+                 for b, (token, parent, score) in enumerate(zip(tokens, parents, scores))]
+        self.executor.enter(level)
+        return level
 
     def _draft(self, drafter: Drafter, run: _Run, sampler: Sampler) -> Level:
         """Draft the level after the newest one: a sampled token (width 1, T > 0) or the W best children by score."""
         levels = run.in_flight
         leaves = levels[-1] if levels else [run.pending[-1]]
+        position, fill = leaves[0].position + 1, fill_level(levels)
+        if self.executor.outcomes_known(levels):  # nothing drafted before the next flush can change an outcome
+            return [Token(position, PLACEHOLDER, 0, None, fill=fill, parent=leaf) for leaf in leaves]
         logits = drafter.logits(run.pending, levels)
         run.pending.clear()
-        position, fill = leaves[0].position + 1, fill_level(levels)
         parents = [leaf if leaf.depth < self.config.n else None for leaf in leaves]
         if self.width == 1 and not sampler.greedy:  # one sampled draft, verified with the p/q rule
             q = sampler.probs(logits[0])
@@ -276,40 +214,9 @@ class PipelineEngine:
         return {"num_layers": self.target.num_layers, "n": self.config.n, "largest_stage": max(sizes),
                 "ls": self.config.ls, "schedule": self.config.schedule, "width": self.width}
 
-    def _advance(self, levels: list[Level]) -> int:
-        """Every level runs the stage at its depth in one call (stages own disjoint layers, so order is free)."""
-        device = self.target.device
-        chain, base = is_chain(levels), levels[0][0].position
-        kv_end = base + self.config.n * self.width  # above every sibling slot in flight
-        for level in levels:
-            lo, hi = self.bounds[level[0].depth]
-            wanted = tuple(layer for layer in self.capture if lo < layer <= hi)
-            positions = torch.full((len(level),), level[0].position, device=device)
-            slots = mask = None
-            if not chain:
-                slots = torch.tensor([t.slot for t in level], device=device)
-                mask = tree_mask(level, base, kv_end)
-            hidden = torch.cat([t.hidden for t in level], dim=1)
-            out, captured = self.target.run_layers(lo, hi, hidden, positions, slots=slots, mask=mask, capture=wanted)
-            for b, tok in enumerate(level):
-                tok.hidden = out[:, b : b + 1]
-                tok.features.update({layer: h[:, b : b + 1] for layer, h in captured.items()})
-                tok.depth += 1
-        return sum(len(level) for level in levels)
-
-    def _flush(self, position: int) -> None:
-        """A rejected draft at `position`: forget the target's in-flight KV (and linear-attention updates) from it."""
-        self.target.truncate(position)
-
-    def _commit_slot(self, chosen: Token) -> None:
-        """An accepted sibling's KV moves to its position, where the verified prefix lives."""
-        if chosen.slot != chosen.position:
-            self.target.cache.move(torch.tensor([chosen.slot], device=self.target.device), chosen.position)
-            chosen.slot = chosen.position
-
     def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
         """The finished token's target distribution tests the drafts after it: (accepted draft or None, token)."""
-        logits = self.target.logits(finished.hidden)[0]
+        logits = self.executor.verification_logits(finished)
         if sampler.greedy:
             best = int(torch.argmax(logits))
             return next((t for t in candidates if t.token == best), None), best

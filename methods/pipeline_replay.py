@@ -10,10 +10,10 @@ groups are batched into chunks with a block mask over one KV cache. A draft off 
 anything drafted after it is verified, so only trajectory states matter: the simulation is exact at T=0.
 
 Trees: which children of a trajectory token survive depends on the draft scores of branches off the trajectory, so
-those need target states too. `TreeReplay` runs the engine's cycles (drafting, pruning, verification rule, counters)
-but no stages: a trajectory token's states come from the teacher pass, and a token off it gets all its layers in
-one forward when it is drafted (its ancestors' KV is there by then), in a ring of slots above the trajectory. Every
-decision is the engine's own, so T=0 is exact; the cost is one forward of the off-trajectory drafts per cycle. Once
+those need target states too. The engine runs its own cycles (drafting, pruning, verification rule, counters) with
+a `TeacherForcedExecutor` in place of the target: a trajectory token's states come from the teacher pass, and a
+token off it gets all its layers in one forward when it is drafted (its ancestors' KV is there by then), in a ring
+of slots above the trajectory. Every decision is the engine's own, so T=0 is exact; the cost is one forward of the off-trajectory drafts per cycle. Once
 the flush ahead is certain (the trajectory left the tree after single-token levels), nothing drafted until then can
 change an outcome: those cycles draft placeholders and cost nothing, so stage runs are not counted.
 Tree drafts are deterministic at any T, and the sibling rule emits a sample of p and accepts iff it is a candidate,
@@ -31,7 +31,9 @@ import torch
 from harness.errors import HarnessError
 from harness.target import StateCache
 from methods.base import Generation
-from methods.pipeline import Level, PipelineEngine, Token
+from methods.pipeline import PLACEHOLDER, PipelineEngine
+from methods.pipeline_executor import StageExecutor
+from methods.pipeline_tree import Level, Token
 from methods.sampling import Sampler
 from methods.speculator import Speculator
 from methods.teacher import Teacher
@@ -46,7 +48,9 @@ def simulate(engine: PipelineEngine, prompt_ids: list[int], trajectory: list[int
         return replay_cycles(fill_state_accepts(engine.speculator, teacher), teacher, config.n, config.schedule,
                              max_new_tokens, engine.stop_ids, engine.shape())
     teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler, keep_cache=True)
-    generation = TreeReplay(engine, teacher).decode(prompt_ids, max_new_tokens, sampler)
+    replay = PipelineEngine(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class,
+                            executor=TeacherForcedExecutor(engine, teacher))
+    generation = replay.generate(prompt_ids, max_new_tokens, sampler)
     generation.stats["expected_accepts"] = float(sum(generation.position_accepts))  # the realised ones, see above
     del generation.stats["stage_runs"]  # cycles before a certain flush draft placeholders
     return generation
@@ -161,43 +165,33 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
     )
 
 
-PLACEHOLDER = -1  # token id of a draft made after the trajectory left the tree (flushed before it is verified)
-
-
-class TreeReplay(PipelineEngine):
-    """The engine with stage compute and verification read from the teacher pass (draft trees)."""
+class TeacherForcedExecutor(StageExecutor):
+    """The stage executor of a tree replay: trajectory states from the teacher pass, off-trajectory tokens forwarded
+    through every layer when they enter, verification by the trajectory's next token."""
 
     def __init__(self, engine: PipelineEngine, teacher: Teacher):
-        super().__init__(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class)
+        super().__init__(engine.target, engine.bounds, engine.capture, engine.width)
         self.teacher = teacher
-        self.ring = engine.width * (engine.config.n + 1)  # a drafted token lives at most n cycles, W drafted per cycle
+        self.ring = engine.width * (self.n + 1)  # a drafted token lives at most n cycles, W drafted per cycle
         self.next_slot = 0
         if teacher.length + self.ring > self.target.max_len:
             raise HarnessError(f"the tree replay needs {teacher.length + self.ring} target cache slots but the runtime "
                                f"holds {self.target.max_len}; use a smaller --width or --n")
         self.off_path: weakref.WeakKeyDictionary[Token, _OffPath] = weakref.WeakKeyDictionary()
 
-    def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
-        n, start = self.config.n, self.teacher.prompt_len
-        rows = [Token(p, t, n, None, {layer: self._teacher_state(layer, p) for layer in self.capture})
-                for p, t in enumerate(prompt_ids)]
-        (first,) = self._new_tokens(start, [self.teacher.token(start)], [None], [0.0], fill=0)
-        return first, rows
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The teacher's prompt states, and logits that make the trajectory's first token the pick at any T."""
+        start = self.teacher.prompt_len
+        return self._certain(self.teacher.token(start)), {layer: self.teacher.features[layer][:, :start]
+                                                         for layer in self.capture}
 
-    def _new_tokens(self, position: int, tokens: list[int], parents: list, scores: list[float], fill: int,
-                    q: torch.Tensor | None = None) -> Level:
-        level = super()._new_tokens(position, tokens, parents, scores, fill, q)
+    def enter(self, level: Level) -> None:
+        super().enter(level)
         off = [t for t in level if not self._follows_trajectory(t)]
         if off:
             self._forward(off)
-        return level
 
-    def _draft(self, drafter, run, sampler: Sampler) -> Level:
-        if self._flush_is_certain(run.in_flight):  # one placeholder per leaf, so nothing is pruned
-            return [Token(leaf.position + 1, PLACEHOLDER, 0, None, parent=leaf) for leaf in run.in_flight[-1]]
-        return super()._draft(drafter, run, sampler)
-
-    def _flush_is_certain(self, levels: list[Level]) -> bool:
+    def outcomes_known(self, levels: list[Level]) -> bool:
         """The trajectory left the tree at a level after single-token levels only: a single token is the ancestor of
         every later draft, so pruning never removes it; those levels accept and that one rejects, whatever else is
         drafted. (A trajectory token among siblings could still lose all its descendants to their scores.)"""
@@ -207,6 +201,34 @@ class TreeReplay(PipelineEngine):
             if len(level) > 1:
                 return False
         return False
+
+    def advance(self, levels: list[Level]) -> None:
+        for level in levels:
+            lo, hi = self.bounds[level[0].depth]
+            for token in level:
+                token.depth += 1
+                if token.token == PLACEHOLDER:
+                    continue
+                record = self.off_path.get(token)
+                token.features.update({
+                    layer: record.states[layer] if record else self._teacher_state(layer, token.position)
+                    for layer in self.capture if lo < layer <= hi})
+
+    def verification_logits(self, finished: Token) -> torch.Tensor:
+        """The trajectory's next token decides: it is the argmax at T=0 and the sample the sibling rule draws at T>0
+        (certain logits make it so), so a draft is accepted iff it is that token."""
+        return self._certain(self.teacher.token(finished.position + 1))
+
+    def truncate(self, position: int) -> None:
+        """Trajectory KV stays; off-trajectory slots are reused by the ring."""
+
+    def commit(self, chosen: Token) -> None:
+        chosen.slot = chosen.position  # the drafter's cache keeps finished rows at their positions
+
+    def _certain(self, token: int) -> torch.Tensor:
+        logits = torch.full((self.target.config.vocab_size,), float("-inf"), device=self.device)
+        logits[token] = 0.0
+        return logits
 
     def _on_trajectory(self, token: Token) -> bool:
         """Is the token on the trajectory (with teacher states)?"""
@@ -231,9 +253,8 @@ class TreeReplay(PipelineEngine):
             while record is not None:
                 mask[i, record.slot] = True
                 record = record.parent
-        device = self.target.device
-        positions = torch.tensor([t.position for t in tokens], device=device)
-        slots = torch.tensor([self.off_path[t].slot for t in tokens], device=device)
+        positions = torch.tensor([t.position for t in tokens], device=self.device)
+        slots = torch.tensor([self.off_path[t].slot for t in tokens], device=self.device)
         hidden = torch.cat([t.hidden for t in tokens], dim=1)
         _, captured = self.target.run_layers(0, self.target.num_layers, hidden, positions, slots=slots, mask=mask,
                                              capture=self.capture)
@@ -242,30 +263,6 @@ class TreeReplay(PipelineEngine):
 
     def _teacher_state(self, layer: int, position: int) -> torch.Tensor:
         return self.teacher.features[layer][:, position: position + 1]
-
-    def _advance(self, levels: list[Level]) -> int:
-        for level in levels:
-            lo, hi = self.bounds[level[0].depth]
-            for token in level:
-                token.depth += 1
-                if token.token == PLACEHOLDER:
-                    continue
-                record = self.off_path.get(token)
-                token.features.update({
-                    layer: record.states[layer] if record else self._teacher_state(layer, token.position)
-                    for layer in self.capture if lo < layer <= hi})
-        return sum(len(level) for level in levels)
-
-    def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
-        """The trajectory's next token decides: accepted iff it is a candidate (T=0: it is the argmax)."""
-        token = self.teacher.token(finished.position + 1)
-        return next((t for t in candidates if t.token == token), None), token
-
-    def _flush(self, position: int) -> None:
-        """Trajectory KV stays; off-trajectory slots are reused by the ring."""
-
-    def _commit_slot(self, chosen: Token) -> None:
-        chosen.slot = chosen.position  # the drafter's cache keeps finished rows at their positions
 
 
 @dataclass

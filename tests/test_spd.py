@@ -184,3 +184,35 @@ def test_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, sc
         tree_rows += leaves > 1
     assert compared >= 8
     assert (tree_rows > 0) == (width > 1)
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_the_scheduler_reaches_the_target_only_through_its_stage_executor(width):
+    """An executor that logs every call around the local one: the engine's output stays AR's, and the calls are the
+    seam's (one prefill, one stage step per cycle, a verification per finished token, a truncation per rejection,
+    a commit per acceptance)."""
+    from methods.pipeline_executor import LocalExecutor
+
+    model, n, prompt = tiny_model("qwen3_5" if width == 1 else "llama"), 3, [5, 6, 7]
+    target, method = _spd(model, n, width=width)
+    reference = build_method("autoregressive", target, {}, set()).generate(prompt, 20, Sampler(GREEDY)).output_ids
+    calls = []
+
+    class Logging(LocalExecutor):
+        def __getattribute__(self, name):
+            attribute = super().__getattribute__(name)
+            if name in ("start", "prefill", "enter", "advance", "verification_logits", "truncate", "commit"):
+                calls.append(name)
+            return attribute
+
+    engine = method.engine
+    engine.executor = Logging(target, engine.bounds, engine.capture, width)
+    engine.drafter_class = _oracle({len(prompt) + i: t for i, t in enumerate(reference)}, 0.6, seed=1)
+    generation = method.generate(prompt, 20, Sampler(GREEDY))
+    assert generation.output_ids == reference
+    assert calls[:2] == ["start", "prefill"] and calls.count("prefill") == 1
+    assert calls.count("advance") == generation.steps
+    verified = sum(generation.stats["fill_drafts"])
+    accepted = sum(generation.position_accepts)
+    assert calls.count("verification_logits") == verified
+    assert calls.count("commit") == accepted and calls.count("truncate") == verified - accepted > 0
