@@ -1,7 +1,7 @@
 """The paper's qualitative claims, each checked against the records: what was measured and whether it agrees.
 
-A claim compares configurations pooled over datasets at width 1 (executed runs before simulated ones, as every
-table picks them), per model. Its verdict is "agrees", "disagrees", "mixed" (some comparisons each way) or "not
+A claim compares configurations pooled over datasets at width 1, per model, measured the same way where it can
+(both executed, else both simulated). Its verdict is "agrees", "disagrees", "mixed" (some comparisons each way) or "not
 measured" with the runs that would measure it; the figures compared are printed beside it either way.
 """
 
@@ -38,10 +38,23 @@ def _spd(n: int, ls: int, schedule: str) -> dict:
     return {"n": n, "ls": ls, "schedule": schedule, "width": 1}
 
 
+def _pair(summaries: list[Summary], model: str, method: str, params: tuple[dict, dict], temperature: float
+          ) -> tuple[Summary | None, Summary | None]:
+    """Two configurations measured the same way: both executed, else both simulated (same prompt budget), else
+    whatever each has."""
+    for simulated in (False, True):
+        found = [next((s for s in summaries if s.model == model and s.dataset == OVERALL and s.simulated == simulated
+                       and s.matches(method, p, temperature)), None) for p in params]
+        if None not in found:
+            return found[0], found[1]
+    first, second = (find(summaries, method, p, temperature, model=model) for p in params)
+    return first, second
+
+
 def _lacc_rises_with_n(summaries: list[Summary], model: str) -> list[Comparison]:
     out = []
     for ls in (1, 2, 3, 4):
-        four, eight = (find(summaries, "spd", _spd(n, ls, "input"), 0.0, model=model) for n in (4, 8))
+        four, eight = _pair(summaries, model, "spd", (_spd(4, ls, "input"), _spd(8, ls, "input")), 0.0)
         if four and eight and four.l_acc is not None and eight.l_acc is not None:
             out.append((f"Ls={ls}: n=4 {_value(four, 'l_acc')} -> n=8 {_value(eight, 'l_acc')}",
                         eight.l_acc > four.l_acc))
@@ -52,7 +65,7 @@ def _output_schedule_tradeoff(summaries: list[Summary], model: str) -> list[Comp
     out = []
     for n in (4, 8, 16):
         for ls in (1, 2, 3, 4):
-            inp, outp = (find(summaries, "spd", _spd(n, ls, s), 0.0, model=model) for s in ("input", "output"))
+            inp, outp = _pair(summaries, model, "spd", (_spd(n, ls, "input"), _spd(n, ls, "output")), 0.0)
             if inp and outp and None not in (inp.tokens_per_step, outp.tokens_per_step):
                 out.append((f"n={n} Ls={ls}: alpha input {_value(inp, 'tokens_per_step')} / output "
                             f"{_value(outp, 'tokens_per_step')}, theoretical input "
@@ -81,7 +94,7 @@ def _order_at_t1(summaries: list[Summary], model: str) -> list[Comparison]:
 def _eagle_m7_over_m15(summaries: list[Summary], model: str) -> list[Comparison]:
     out = []
     for temperature in (0.0, 1.0):
-        seven, fifteen = (find(summaries, "eagle3", {"m": m, "width": 1}, temperature, model=model) for m in (7, 15))
+        seven, fifteen = _pair(summaries, model, "eagle3", ({"m": 7, "width": 1}, {"m": 15, "width": 1}), temperature)
         if seven and fifteen:
             out.append((f"T={temperature:g}: m=7 {_value(seven, 'theoretical_speedup')}x, m=15 "
                         f"{_value(fifteen, 'theoretical_speedup')}x",

@@ -455,7 +455,8 @@ def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, ba
                          init=init, autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
-                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} --init {init} "
+                                  f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} "
+                                  f"--init {init} "
                                   f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):

@@ -3,7 +3,8 @@
 Tables (in order): main blocks per (T, width); scaling of SPD over n x Ls, EAGLE-3 over m, PPSD over n; the
 input/output schedule ablation; theoretical vs modeled vs wall-clock speedup; acceptance by fill level and draft
 position; the paper's claims checked on the records; the paper's reference values beside ours; losslessness; every
-configuration by dataset. Empty cells show "—" and the report ends with the commands that fill the paper grid's missing configurations.
+configuration by dataset. Empty cells show "—" and the report ends with the commands that fill the paper grid's
+missing configurations.
 """
 
 from __future__ import annotations
@@ -211,9 +212,9 @@ def summary_table(overall: list[Summary]) -> Table:
 def claims_table(summaries: list[Summary]) -> list[Table]:
     rows = [[v.claim, v.model, v.verdict, v.measured] for v in verdicts(summaries)]
     return [Table("The paper's claims, as measured here", ["claim", "model", "verdict", "measured"], rows,
-                  "each claim checked on the records above (width 1, pooled over datasets; executed runs before "
-                  "simulated ones); drafters trained on a small budget make these statements about them, not about "
-                  "the paper's drafters")]
+                  "each claim checked on the records above (width 1, pooled over datasets; both sides executed, "
+                  "else both simulated); drafters trained on a small budget make these statements about them, not "
+                  "about the paper's drafters")]
 
 
 def lossless_table(overall: list[Summary]) -> list[Table]:

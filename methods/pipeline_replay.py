@@ -13,9 +13,10 @@ Trees: which children of a trajectory token survive depends on the draft scores 
 those need target states too. The engine runs its own cycles (drafting, pruning, verification rule, counters) with
 a `TeacherForcedExecutor` in place of the target: a trajectory token's states come from the teacher pass, and a
 token off it gets all its layers in one forward when it is drafted (its ancestors' KV is there by then), in a ring
-of slots above the trajectory. Every decision is the engine's own, so T=0 is exact; the cost is one forward of the off-trajectory drafts per cycle. Once
-the flush ahead is certain (the trajectory left the tree after single-token levels), nothing drafted until then can
-change an outcome: those cycles draft placeholders and cost nothing, so stage runs are not counted.
+of slots above the trajectory. Every decision is the engine's own, so T=0 is exact; the cost is one forward of the
+off-trajectory drafts per cycle. Once the flush ahead is certain (the trajectory left the tree after single-token
+levels), nothing drafted until then can change an outcome (`outcomes_known`): those cycles draft placeholders and
+cost nothing, so stage runs are not counted.
 Tree drafts are deterministic at any T, and the sibling rule emits a sample of p and accepts iff it is a candidate,
 so at T>0 the replay on a sampled AR trajectory is itself a sample of the executed process, and its expected
 acceptance is the realised one (p of the candidates would need the sibling sets that skipped cycles prune).
