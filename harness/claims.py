@@ -43,10 +43,9 @@ def _pair(summaries: list[Summary], model: str, method: str, params: tuple[dict,
     """Two configurations measured the same way: both executed, else both simulated (same prompt budget), else
     whatever each has."""
     for simulated in (False, True):
-        found = [next((s for s in summaries if s.model == model and s.dataset == OVERALL and s.simulated == simulated
-                       and s.matches(method, p, temperature)), None) for p in params]
-        if None not in found:
-            return found[0], found[1]
+        first, second = (find(summaries, method, p, temperature, model=model, simulated=simulated) for p in params)
+        if first and second:
+            return first, second
     first, second = (find(summaries, method, p, temperature, model=model) for p in params)
     return first, second
 

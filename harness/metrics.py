@@ -167,11 +167,11 @@ def _group(row: dict) -> tuple:
 
 
 def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL,
-         model: str | None = None) -> Summary | None:
+         model: str | None = None, simulated: bool | None = None) -> Summary | None:
     """The summary matching a configuration (see Summary.matches) on `model` (default: any), executed runs before
-    simulated ones."""
+    simulated ones (`simulated`: only those of that kind)."""
     found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature)
-             and model in (None, s.model)]
+             and model in (None, s.model) and simulated in (None, s.simulated)]
     return min(found, key=lambda s: s.simulated) if found else None
 
 
