@@ -116,8 +116,15 @@ def prompt_options(command):
               help="Results file (default results/<model>/<method>.jsonl).")
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
 @click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
+@click.option("--executor", type=click.Choice(["local", "distributed"]), default="local", show_default=True,
+              help="Pipeline methods: run every stage in this process, or one process per stage (torch.distributed; "
+                   "started here, or by torchrun).")
+@click.option("--devices", default=None,
+              help="--executor distributed: one device per stage, e.g. cuda:1,cuda:2 (default: the --device type).")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="--executor distributed: seconds a rank may wait for another before the run fails.")
 def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens, limit,
-        seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate):
+        seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.runner import RunConfig
     from harness.runner import run as run_config
@@ -128,9 +135,11 @@ def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, tempera
         method=method, params=params, model=model, datasets=datasets, temperature=temperature,
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
         data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
+        executor=executor, devices=devices, timeout=timeout,
     )
     path = run_config(config)
-    click.echo(f"results: {path}")
+    if path is not None:  # a torchrun stage rank writes nothing
+        click.echo(f"results: {path}")
 
 
 @main.command()

@@ -1,5 +1,6 @@
 """Report figures (matplotlib, PNG): acceptance by draft position / fill level, accepted-length histograms,
-theoretical vs measured speedups per executed configuration, and theoretical speedup over n and over Ls."""
+theoretical vs measured speedups and the cycle wall breakdown per executed configuration, and theoretical speedup
+over n and over Ls."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _name(s: Summary) -> str:
 
 
 def _label(s: Summary) -> str:
-    return f"{_name(s)} width={s.width} T={s.temperature:g}"
+    return f"{_name(s)} width={s.width} T={s.temperature:g}" + (" [distributed]" if s.executor == "distributed" else "")
 
 
 def _preferred(summaries: list[Summary]) -> list[Summary]:
@@ -96,6 +97,25 @@ def speedups(summaries: list[Summary], path: Path) -> Path | None:
     ax.set_yticks(range(len(shown)), [_label(s) for s in shown], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over AR")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def cycle_breakdown(summaries: list[Summary], path: Path) -> Path | None:
+    """Stacked ms per cycle of each executed pipeline configuration: draft, stages, verification, the rest."""
+    shown = [(s, s.cycle_breakdown) for s in summaries]
+    shown = [(s, ms) for s, ms in shown if ms is not None]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(shown)))
+    left = [0.0] * len(shown)
+    for phase in ("draft", "stages", "verify", "other"):
+        values = [max(ms[phase], 0.0) for _, ms in shown]
+        ax.barh(range(len(shown)), values, left=left, label=phase)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_yticks(range(len(shown)), [_label(s) for s, _ in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per pipeline cycle (driver)")
     ax.legend(fontsize=7)
     return _save(fig, path)
 

@@ -44,6 +44,8 @@ class Summary:
     draft: dict | None = None  # draft-then-verify methods: layers, Ls, m, width
     simulated: bool = False  # acceptance replayed on the AR output, not executed
     expected_accepts: float = 0.0  # simulated runs: summed acceptance probabilities of the verified drafts
+    executor: str = "local"  # pipeline methods: where the stages ran ("distributed": one process per stage)
+    stage_forward: list = field(default_factory=list)  # distributed: each stage rank's summed forward seconds
 
     def add(self, row: dict) -> None:
         self.samples += 1
@@ -59,6 +61,9 @@ class Summary:
         self.expected_accepts += stats.get("expected_accepts", 0.0)
         self.pipeline = stats.get("pipeline", self.pipeline)
         self.draft = stats.get("draft", self.draft)
+        executor = stats.get("executor") or {}
+        self.executor = executor.get("kind", self.executor)
+        self.stage_forward = _vector_sum(self.stage_forward, executor.get("stage_forward_s", []))
         accepts = row.get("position_accepts", [])
         self.fill_drafts = _vector_sum(self.fill_drafts, stats.get("fill_drafts") or [row["steps"]] * len(accepts))
         self.fill_accepts = _vector_sum(self.fill_accepts, accepts)
@@ -140,12 +145,28 @@ class Summary:
         if (shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]
                 or not self.timing.get("stages")):  # simulated runs have no timings
             return None
-        per_layer = self.timing["stages"] / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
+        # Distributed runs time the stages on their ranks; "stages" there is the driver's wait, transfers included.
+        stage_seconds = sum(self.stage_forward) if self.executor == "distributed" else self.timing["stages"]
+        per_layer = stage_seconds / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
         drafter = self.timing["drafter"] / counts["drafter_calls"]
         head = self.timing["verify_head"] / counts["verifications"]
         stage = shape["largest_stage"] * per_layer
         cycle = (max(stage, drafter) if shape["schedule"] == "input" else stage + drafter) + head
         return self.tokens_per_step * (shape["num_layers"] * per_layer + head) / cycle
+
+    @property
+    def cycle_breakdown(self) -> dict[str, float] | None:
+        """Executed pipeline runs: the driver's serial phases in ms per cycle (they add up to the cycle's wall time)
+        and, distributed, the slowest stage rank's forward time per cycle."""
+        if self.pipeline is None or self.simulated or not self.steps or not self.timing.get("decode"):
+            return None
+        ms = {phase: 1000 * self.timing.get(key, 0.0) / self.steps
+              for phase, key in (("draft", "drafter"), ("stages", "stages"), ("verify", "verify_head"))}
+        ms["other"] = 1000 * self.timing["decode"] / self.steps - sum(ms.values())
+        ms["cycle"] = 1000 * self.timing["decode"] / self.steps
+        if self.stage_forward:
+            ms["slowest stage"] = 1000 * max(self.stage_forward) / self.steps
+        return ms
 
     @property
     def wall_clock_speedup(self) -> float | None:

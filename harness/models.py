@@ -188,8 +188,9 @@ def load_identity(spec: str) -> ModelIdentity:
     return ModelIdentity(name=name, weights_sha256=weights_sha256(folder))
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
-    """Load `spec` as a plain HF causal LM in eval mode with sdpa attention."""
+def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokenizer: bool = True) -> LoadedModel:
+    """Load `spec` as a plain HF causal LM in eval mode with sdpa attention (and its tokenizer unless told not to:
+    a pipeline stage rank needs none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
@@ -198,5 +199,5 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None) -> Load
     identity = ModelIdentity(name=name, weights_sha256=weights_sha256(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
     model.to(torch_device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(model=model, tokenizer=tokenizer, identity=identity, device=torch_device, dtype=torch_dtype)
+    return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(folder) if tokenizer else None,
+                       identity=identity, device=torch_device, dtype=torch_dtype)

@@ -56,7 +56,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 def _config(s: Summary) -> str:
     params = {k: v for k, v in s.params.items() if k != "width"}
     name = f"{s.method} {_params(params)}" if params else s.method
-    return name + (" (sim)" if s.simulated else "")
+    return name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.executor == "distributed" else "")
 
 
 def _triple(s: Summary | None) -> str:
@@ -217,6 +217,28 @@ def claims_table(summaries: list[Summary]) -> list[Table]:
                   "about the paper's drafters")]
 
 
+BREAKDOWN = ("draft", "stages", "verify", "other", "cycle")
+
+
+def breakdown_table(overall: list[Summary]) -> list[Table]:
+    """Executed pipeline runs: where a cycle's wall time goes on the driver, beside the speedups."""
+    rows = []
+    for s in overall:
+        ms = s.cycle_breakdown
+        if ms is None:
+            continue
+        rows.append([_config(s), f"{s.temperature:g}", str(s.width), str(s.steps)]
+                    + [_num(ms[phase], 1) for phase in BREAKDOWN] + [_num(ms.get("slowest stage"), 1)]
+                    + [f"{_num(v)}x" for v in (s.theoretical_speedup, s.modeled_speedup, s.wall_clock_speedup)])
+    if not rows:
+        return []
+    return [Table("Cycle wall breakdown", ["config", "T", "width", "cycles", *(f"{p} ms" for p in BREAKDOWN),
+                                           "slowest stage ms", "theoretical", "modeled", "wall-clock"], rows,
+                  "ms per pipeline cycle on the driver: draft, stages (local: every stage in turn; distributed: control, "
+                  "transfers and the wait for the slowest rank), verification head, the rest (sampling, bookkeeping); "
+                  "slowest stage: the busiest rank's forward time per cycle (distributed only)")]
+
+
 def lossless_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
@@ -244,7 +266,8 @@ def tables(summaries: list[Summary]) -> list[Table]:
     overall = [s for s in summaries if s.dataset == OVERALL]
     return ([summary_table(overall)] + main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall)
             + speedup_table(overall)
-            + acceptance_tables(overall) + simulation_table(overall) + claims_table(summaries)
+            + acceptance_tables(overall) + breakdown_table(overall) + simulation_table(overall)
+            + claims_table(summaries)
             + reference_table(summaries)
             + lossless_table(overall)
             + [detail_table(summaries)])
@@ -331,6 +354,7 @@ def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, rel
         "Acceptance by fill level / draft position": figures.acceptance(overall, folder / "acceptance.png"),
         "Tokens committed per round (draft-then-verify, T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
         "Speedups per executed configuration": figures.speedups(overall, folder / "speedups.png"),
+        "Cycle wall breakdown": figures.cycle_breakdown(overall, folder / "cycle_breakdown.png"),
         "Drafter learning curves": figures.learning_curves(list(train_rows), folder / "learning_curves.png"),
     }
     return {title: str(path.relative_to(relative_to)) for title, path in made.items() if path is not None}

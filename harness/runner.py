@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 import methods  # noqa: F401  (fills the registry)
-from harness import checkpoints
+from harness import checkpoints, launch
 from harness.data import Sample, load_samples, render_prompt
 from harness.errors import HarnessError
 from harness.lossless import ReferenceCache, compare, not_checked
@@ -45,6 +47,13 @@ class RunConfig:
     skip_missing: bool = False
     baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
     simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
+    executor: str = "local"  # pipeline methods: "distributed" runs one process per stage (harness/launch.py)
+    devices: str | None = None  # distributed: one device per stage, comma list
+    timeout: float = 300.0  # distributed: seconds any rank may wait for another
+
+    @property
+    def stage_devices(self) -> list[str]:
+        return launch.stage_devices(self.devices, self.device, self.params["n"])
 
     @property
     def dtype_name(self) -> str:
@@ -68,6 +77,23 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"{exc}; fix the option") from None
     if config.checkpoint and cls.drafter(params) is None:
         raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
+    validate_executor(config, cls)
+
+
+def validate_executor(config: RunConfig, cls) -> None:
+    if config.executor not in launch.EXECUTORS:
+        raise HarnessError(f"--executor must be one of {', '.join(launch.EXECUTORS)}, got {config.executor!r}")
+    if config.executor == "local":
+        if config.devices:
+            raise HarnessError("--devices places the stages of --executor distributed; add it or drop --devices")
+        return
+    if not hasattr(cls, "distribute"):
+        raise HarnessError(f"--executor distributed runs pipeline methods (spd, ppsd), not {config.method}")
+    if config.simulate:
+        raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
+    if not config.timeout > 0:
+        raise HarnessError(f"--timeout must be a positive number of seconds, got {config.timeout}")
+    config.stage_devices  # noqa: B018 - validates --devices against n
     if config.simulate and cls.simulate is Method.simulate:
         raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
     if config.limit is not None and config.limit < 1:
@@ -153,6 +179,8 @@ class Runner:
             "dtype": config.dtype_name,
             "device": loaded.device.type,
             **({"simulated": True} if config.simulate else {}),
+            **({"executor": {"kind": "distributed", "world_size": config.params["n"] + 1,
+                             "devices": config.stage_devices}} if config.executor == "distributed" else {}),
             **({"drafter": self.drafter} if self.drafter else {}),
         }
         self.key = config_key(spec)
@@ -186,12 +214,24 @@ class Runner:
             prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
             method = self.load_method(self.config.method, self.config.params, prompts)
             reference = self.load_method(REFERENCE_METHOD, {}, prompts)
-            with torch.inference_mode():
+            with self._executor(method), torch.inference_mode():
                 if not self.config.simulate:
                     for warm in (method, reference):  # one-off allocation costs stay out of the timings
                         warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
                 self._loop(todo, prompts, method, reference, store, bar)
             return len(todo)
+
+    @contextmanager
+    def _executor(self, method: Method):
+        """The distributed executor's ranks for the whole run (the local one needs nothing)."""
+        if self.config.executor == "local":
+            yield
+            return
+        with launch.stage_group(self.config.model, self.config.device, self.config.stage_devices,
+                                self.config.timeout) as group:
+            executor = method.distribute(group, self.config.dtype_name)
+            yield
+            executor.close()  # only after a clean run: a failed rank cannot be asked to stop
 
     def _loop(self, todo, prompts, method, reference, store, bar) -> None:
         desc = f"{self.config.method}{' (simulated)' if self.config.simulate else ''}"
@@ -317,9 +357,13 @@ def default_out(config: RunConfig, model_name: str, root: Path = Path("results")
     return root / model_name.replace("/", "--") / f"{config.method}.jsonl"
 
 
-def run(config: RunConfig) -> Path:
-    """Validate, load prompts and model, run every unfinished sample, return the results file."""
+def run(config: RunConfig) -> Path | None:
+    """Validate, load prompts and model, run every unfinished sample, return the results file (None on a torchrun
+    stage rank, which only serves its stage)."""
     validate(config)
+    if config.executor == "distributed" and launch.under_torchrun() and int(os.environ["RANK"]) > 0:
+        launch.serve_from_env(config.stage_devices, config.device, config.timeout)
+        return None
     samples = load_prompts(config)
     store_path = config.out
     if store_path is not None:

@@ -123,6 +123,7 @@ class PipelineEngine:
                 "drafter_calls": run.drafter_calls,
                 "verifications": sum(run.fill_drafts),
                 "pipeline": self.shape(),
+                "executor": self.executor.report(),
             },
         )
 

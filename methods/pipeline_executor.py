@@ -11,11 +11,25 @@ runs them on one in-process target runtime; the teacher-forced executor of the r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from harness.target import TargetRuntime
 from methods.pipeline_tree import Level, Token, is_chain, tree_mask
+
+
+@dataclass
+class StageCall:
+    """One level's stage step: the layer range, inputs, KV placement and which captured layers come back."""
+
+    lo: int
+    hi: int
+    wanted: tuple[int, ...]
+    hidden: torch.Tensor  # [1, B, D]
+    positions: torch.Tensor  # [B], one position (siblings share it)
+    slots: torch.Tensor | None  # trees: sibling KV slots [B]
+    mask: torch.Tensor | None  # trees: [B, kv_end]
 
 
 class StageExecutor(ABC):
@@ -59,6 +73,32 @@ class StageExecutor(ABC):
     def commit(self, chosen: Token) -> None:
         """An accepted token: its KV moves to its position if it lived in a sibling slot."""
 
+    def stage_call(self, level: Level, chain: bool, base: int, kv_end: int) -> StageCall:
+        """The step of `level` through the stage at its depth (trees: sibling slots and a tree mask)."""
+        lo, hi = self.bounds[level[0].depth]
+        positions = torch.full((len(level),), level[0].position, device=self.device)
+        slots = mask = None
+        if not chain:
+            slots = torch.tensor([t.slot for t in level], device=self.device)
+            mask = tree_mask(level, base, kv_end)
+        return StageCall(lo, hi, tuple(layer for layer in self.capture if lo < layer <= hi),
+                         torch.cat([t.hidden for t in level], dim=1), positions, slots, mask)
+
+    @staticmethod
+    def absorb(level: Level, out: torch.Tensor, captured: dict[int, torch.Tensor]) -> None:
+        """A level's stage output: each token one stage deeper, with its new hidden state and features."""
+        for b, token in enumerate(level):
+            token.hidden = out[:, b: b + 1]
+            token.features.update({layer: h[:, b: b + 1] for layer, h in captured.items()})
+            token.depth += 1
+
+    def report(self) -> dict:
+        """What the record says about the executor (the distributed one adds its ranks and their stage times)."""
+        return {"kind": "local"}
+
+    def close(self) -> None:
+        """After the last generation (the distributed executor stops its ranks)."""
+
     def outcomes_known(self, levels: list[Level]) -> bool:
         """Whether every verification until the next flush is already decided whatever is drafted now (a replay
         knows the trajectory; an executor running the target never does)."""
@@ -86,19 +126,9 @@ class LocalExecutor(StageExecutor):
         chain, base = is_chain(levels), levels[0][0].position
         kv_end = base + self.n * self.width  # above every sibling slot in flight
         for level in levels:
-            lo, hi = self.bounds[level[0].depth]
-            wanted = tuple(layer for layer in self.capture if lo < layer <= hi)
-            positions = torch.full((len(level),), level[0].position, device=self.device)
-            slots = mask = None
-            if not chain:
-                slots = torch.tensor([t.slot for t in level], device=self.device)
-                mask = tree_mask(level, base, kv_end)
-            hidden = torch.cat([t.hidden for t in level], dim=1)
-            out, captured = self.target.run_layers(lo, hi, hidden, positions, slots=slots, mask=mask, capture=wanted)
-            for b, token in enumerate(level):
-                token.hidden = out[:, b: b + 1]
-                token.features.update({layer: h[:, b: b + 1] for layer, h in captured.items()})
-                token.depth += 1
+            call = self.stage_call(level, chain, base, kv_end)
+            self.absorb(level, *self.target.run_layers(call.lo, call.hi, call.hidden, call.positions, slots=call.slots,
+                                                       mask=call.mask, capture=call.wanted))
 
     def verification_logits(self, finished: Token) -> torch.Tensor:
         return self.target.logits(finished.hidden)[0]

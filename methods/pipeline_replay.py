@@ -192,6 +192,9 @@ class TeacherForcedExecutor(StageExecutor):
         if off:
             self._forward(off)
 
+    def report(self) -> dict:
+        return {"kind": "teacher-forced"}
+
     def outcomes_known(self, levels: list[Level]) -> bool:
         """The trajectory left the tree at a level after single-token levels only: a single token is the ancestor of
         every later draft, so pruning never removes it; those levels accept and that one rejects, whatever else is

@@ -69,6 +69,14 @@ class SPD(Method):
         self.speculator = speculator or load_speculator(target, self.name, self.policy, params, checkpoint)
         self.engine = PipelineEngine(target, self.speculator, stop_ids, width=params.width)
 
+    def distribute(self, group, dtype: str):
+        """Run the target's stages on the ranks of `group` (methods/pipeline_distributed.py) from now on."""
+        from methods.pipeline_distributed import DistributedExecutor
+
+        self.engine.executor = DistributedExecutor(group, self.target, self.engine.bounds, self.engine.capture,
+                                                   self.params.width, dtype)
+        return self.engine.executor
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         return self.engine.generate(prompt_ids, max_new_tokens, sampler)

@@ -101,6 +101,14 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
         (["--checkpoint", "/tmp"], "method autoregressive uses no drafter; drop --checkpoint"),
         (["--method", "spd", "--param", "n=abc"], "parameter n of spd wants an integer, got 'abc'"),
         (["--data-dir", "/no/such/folder"], "--data-dir /no/such/folder is not a folder"),
+        (["--executor", "distributed"], "--executor distributed runs pipeline methods (spd, ppsd), not autoregressive"),
+        (["--devices", "cpu,cpu"], "--devices places the stages of --executor distributed"),
+        (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cpu"],
+         "--devices lists 1 devices but --n 2 needs one per stage"),
+        (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "tpu,cpu"],
+         "--devices entry 'tpu' is neither cpu nor cuda[:k]"),
+        (["--method", "spd", "--executor", "distributed", "--simulate"], "drop --executor distributed"),
+        (["--method", "spd", "--executor", "distributed", "--timeout", "0"], "--timeout must be a positive number"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_path, eval_dir, cache):
