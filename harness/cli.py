@@ -470,3 +470,7 @@ def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, ba
                                   + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):
         click.echo(f"checkpoint: {folder}")
+
+
+if __name__ == "__main__":  # `torchrun ... -m harness.cli -- run ...` starts every rank this way ("--" keeps
+    main()                  # torchrun from taking --n or --model for abbreviations of its own options)

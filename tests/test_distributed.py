@@ -5,13 +5,20 @@ attention, trees); T=1 identical to the local executor for the same seed (the sa
 stage rank ends the run with one line and leaves no process behind.
 """
 
+import json
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from harness import launch
+from harness.cli import main
 from harness.errors import HarnessError
 from harness.models import load_model
 from harness.target import TargetRuntime
@@ -19,6 +26,7 @@ from methods.base import build_method
 from methods.sampling import Sampler, SamplingConfig
 from methods.spd import SPD
 from methods.speculator import Speculator, SpeculatorConfig
+from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
 from tiny_models import tiny_model
 
@@ -95,3 +103,33 @@ def test_a_group_of_the_wrong_size_is_refused(tmp_path):
         with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=60) as group:
             remote.distribute(group, "float32")
     assert not multiprocessing.active_children()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # the train record goes to ./results
+
+
+def test_run_command_starts_its_ranks_and_torchrun_starts_the_same_run(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
+    train = CliRunner().invoke(main, ["train", "--model", str(tiny_dir), "--n", "2", "--ls", "1", "--seq-len", "32",
+                                      "--batch-size", "2", "--draft-vocab", "512", "--tokens", "64", "--val-prompts", "1"])
+    assert train.exit_code == 0, train.output
+    run = ["run", "--method", "spd", "--n", "2", "--ls", "1", "--model", str(tiny_dir), "--dataset", "gsm8k",
+           "--limit", "2", "--max-new-tokens", "10", "--data-dir", str(eval_dir), "--executor", "distributed",
+           "--timeout", "120"]
+    spawned = CliRunner().invoke(main, run + ["--out", str(tmp_path / "spawned.jsonl")])
+    assert spawned.exit_code == 0, spawned.output
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+               "-m", "harness.cli", "--", *run, "--out", str(tmp_path / "torchrun.jsonl")]
+    torchrun = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert torchrun.returncode == 0, torchrun.stderr[-2000:]
+    records = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+               for name in ("spawned", "torchrun")}
+    for rows in records.values():
+        assert len(rows) == 2 and all(r["lossless"]["identical"] for r in rows)
+        assert all(r["stats"]["executor"]["world_size"] == 3 and r["stats"]["executor"]["backend"] == "gloo"
+                   for r in rows)
+    assert [r["output_ids"] for r in records["spawned"]] == [r["output_ids"] for r in records["torchrun"]]
+    assert records["spawned"][0]["config_key"] == records["torchrun"][0]["config_key"]
