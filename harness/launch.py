@@ -134,9 +134,12 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
 
 
 def _stop(processes: list, grace_s: float = 0) -> None:
+    """Wait up to `grace_s` for the ranks to leave, then kill the rest (SIGKILL: a stopped or hung rank ignores
+    anything milder)."""
+    deadline = time.monotonic() + grace_s
     for process in processes:
-        process.join(timeout=grace_s)
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            process.kill()
             process.join(timeout=5)

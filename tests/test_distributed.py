@@ -8,6 +8,7 @@ stage rank ends the run with one line and leaves no process behind.
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +94,22 @@ def test_a_dead_stage_rank_ends_the_run_with_one_line_and_no_leftover_process(tm
                 multiprocessing.active_children()[0].kill()
                 remote.generate([1, 2, 3], 8, Sampler(GREEDY))
     assert time.monotonic() - start < 60
+    assert not multiprocessing.active_children()
+
+
+def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
+    folder = _saved(tmp_path, "llama")
+    _, remote = _spd(folder, 2, 1)
+    with pytest.raises(HarnessError, match="a stage rank stopped answering"):
+        with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20) as group:
+            remote.distribute(group, "float32")
+            with torch.inference_mode():
+                remote.generate([1, 2, 3], 8, Sampler(GREEDY))
+                hung = multiprocessing.active_children()[-1]
+                os.kill(hung.pid, signal.SIGSTOP)
+                start = time.monotonic()
+                remote.generate([1, 2, 3], 8, Sampler(GREEDY))
+    assert time.monotonic() - start < 40
     assert not multiprocessing.active_children()
 
 

@@ -34,7 +34,7 @@ def test_report_blocks_ablation_speedups_and_figures(tmp_path):
     figures = render_figures(summaries, rows, tmp_path / "figures", relative_to=tmp_path, train_rows=train)
     assert set(figures.values()) == {"figures/acceptance.png", "figures/accepted_lengths.png", "figures/speedups.png",
                                      "figures/speedup_over_n.png", "figures/spd_over_ls.png",
-                                     "figures/learning_curves.png"}
+                                     "figures/learning_curves.png", "figures/cycle_breakdown.png"}
     assert all((tmp_path / p).stat().st_size > 1000 for p in figures.values())
     text = markdown(summaries, figures)
     assert "## T=0, width 1" in text and "## T=0, width 4" in text
@@ -43,6 +43,27 @@ def test_report_blocks_ablation_speedups_and_figures(tmp_path):
     assert "| spd ls=4 n=8 schedule=input | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x | — | 1.25 · 9.38 · 9.38x |" in text
     assert "| spd n=8 ls=4 | 1 | 0 | 1.25 | 1.25 | 9.38 | 4.69 |" in text  # the ablation row
     assert "![Speedups per executed configuration](figures/speedups.png)" in text
+
+
+def test_cycle_wall_breakdown_separates_distributed_runs_and_models_them_from_the_ranks_forward_times():
+    params = {"n": 8, "ls": 4, "schedule": "input", "width": 1}
+    local = _row("spd", params, "gsm8k", "input")
+    distributed = _row("spd", params, "gsm8k", "input")
+    distributed["config_key"] += "distributed"
+    distributed["stats"]["executor"] = {"kind": "distributed", "world_size": 9, "stage_forward_s": [0.02] * 8}
+    for row in (local, distributed):
+        row["stats"].update(stage_runs=64, drafter_calls=8, verifications=7)
+    overall = [s for s in summarize([local, distributed]) if s.dataset == "overall"]
+    (table,) = [t for t in tables(overall) if t.title == "Cycle wall breakdown"]
+    rows = {row[0]: row for row in table.rows}
+    # ms per cycle over 8 cycles: draft 200/8, stages 500/8, verify 100/8, the rest 200/8, cycle 1000/8
+    assert rows["spd ls=4 n=8 schedule=input"][4:10] == ["25.0", "62.5", "12.5", "25.0", "125.0", "—"]
+    assert rows["spd ls=4 n=8 schedule=input [distributed]"][4:10] == ["25.0", "62.5", "12.5", "25.0", "125.0", "2.5"]
+    # modeled: the local run's stage time is its "stages" (0.5 s), the distributed one's the ranks' (0.16 s):
+    # per layer 0.5 / (64 * 30 / 8) or 0.16 / 240; cycle max(4 layers, drafter 0.025) + head 0.1 / 7;
+    # speedup 1.25 * (30 layers + head) / cycle
+    modeled = {s.executor: round(s.modeled_speedup, 3) for s in overall}
+    assert modeled == {"local": 2.443, "distributed": 1.091}
 
 
 def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells():
