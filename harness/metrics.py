@@ -3,7 +3,8 @@
 Definitions (one for every method): tokens/step (the prefill token excluded) is tau for draft-then-verify methods
 (tokens per target forward, bonus included) and alpha for pipeline methods; L'acc = alpha * L / largest stage;
 theoretical speedup: input schedule alpha*L/max(largest, Ls), output schedule and PPSD alpha*L/(largest + Ls),
-EAGLE-3 tau*L/(Ls*m + L); the modeled multi-device speedup puts measured component times in those
+EAGLE-3 tau*L/(Ls*m + L) (the reference's own definition for pipeline runs, n * N / S per sample and averaged,
+is reported beside it); the modeled multi-device speedup puts measured component times in those
 formulas; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the same prompts.
 """
 
@@ -46,6 +47,7 @@ class Summary:
     expected_accepts: float = 0.0  # simulated runs: summed acceptance probabilities of the verified drafts
     executor: str = "local"  # pipeline methods: where the stages ran ("distributed": one process per stage)
     stage_forward: list = field(default_factory=list)  # distributed: each stage rank's summed forward seconds
+    reference_ratios: float = 0.0  # pipeline: summed per-sample n * N / S, the reference's theoretical speedup
 
     def add(self, row: dict) -> None:
         self.samples += 1
@@ -60,6 +62,8 @@ class Summary:
         _add(self.counts, {k: stats.get(k, 0) for k in ("stage_runs", "drafter_calls", "verifications")})
         self.expected_accepts += stats.get("expected_accepts", 0.0)
         self.pipeline = stats.get("pipeline", self.pipeline)
+        if "pipeline" in stats and row["steps"]:
+            self.reference_ratios += stats["pipeline"]["n"] * row["new_tokens"] / row["steps"]
         self.draft = stats.get("draft", self.draft)
         executor = stats.get("executor") or {}
         self.executor = executor.get("kind", self.executor)
@@ -135,6 +139,12 @@ class Summary:
         largest, ls, layers = shape["largest_stage"], shape["ls"], shape["num_layers"]
         cycle = max(largest, ls) if shape["schedule"] == "input" else largest + ls
         return self.tokens_per_step * layers / cycle
+
+    @property
+    def reference_theoretical(self) -> float | None:
+        """The reference code's theoretical speedup of a pipeline run: n * N / S per sample (N counts the prefill
+        token, S the decode cycles), averaged over samples, so a row compares with its published tables directly."""
+        return self.reference_ratios / self.samples if self.pipeline is not None and self.samples else None
 
     @property
     def modeled_speedup(self) -> float | None:

@@ -112,3 +112,14 @@ def test_claims_are_checked_on_the_records_with_the_figures_compared():
     eagle = found["EAGLE-3 m=7 beats m=15", "m"]
     assert eagle.verdict == "not measured" and "spd-bench sweep --method eagle3 --m 7,15" in eagle.measured
     assert "## The paper's claims, as measured here" in markdown(summarize(rows))
+
+
+def test_the_reference_definition_of_theoretical_speedup_is_the_per_sample_mean_of_n_N_over_S():
+    params = {"n": 8, "ls": 4, "schedule": "input", "width": 1}
+    rows = [_row("spd", params, "gsm8k", "input"), _row("spd", params, "mt_bench", "input")]
+    rows[1]["steps"], rows[1]["new_tokens"] = 4, 5  # per sample: 8 * 11 / 8 = 11 and 8 * 5 / 4 = 10
+    (overall,) = [s for s in summarize(rows) if s.dataset == "overall"]
+    assert overall.reference_theoretical == 10.5
+    assert abs(overall.theoretical_speedup - (14 / 12) * 30 / 4) < 1e-9  # ours pools: 14 tokens over 12 cycles
+    (table,) = [t for t in tables([overall]) if t.title.startswith("Theoretical vs modeled")]
+    assert table.rows[0][3:5] == ["8.75", "10.50"]
