@@ -93,7 +93,7 @@ def record(results: list[TrainBench], out: Path) -> None:
 
 
 def table(results: list[TrainBench]) -> str:
-    lines = ["drafter                 teacher tok/s  drafter tok/s  alone tok/s"]
-    lines += [f"{r.drafter:<22}  {r.teacher_tokens_s:>13}  {r.drafter_tokens_s:>13}  {r.alone_tokens_s:>11}"
-              for r in results]
-    return "\n".join(lines)
+    from tabulate import tabulate
+
+    return tabulate([(r.drafter, r.teacher_tokens_s, r.drafter_tokens_s, r.alone_tokens_s) for r in results],
+                    headers=["drafter", "teacher tok/s", "drafter tok/s", "alone tok/s"])

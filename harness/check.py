@@ -165,19 +165,18 @@ def compare(baseline: list[Expected], summaries: list[Summary], tolerance: float
 
 
 def table(outcomes: list[Outcome]) -> str:
-    header = ("| config | baseline tokens/step | current | change | baseline acceptance | current | change | lossless "
-              "| verdict |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
-    for o in outcomes:
-        e = o.expected
-        lines.append(f"| {e.label} | {_pair(e.tokens_per_step, o.current)} | {_pair(e.acceptance, o.acceptance)} "
-                     f"| {o.lossless} | {o.verdict} |")
-    return "\n".join(lines) + "\n"
+    from tabulate import tabulate
+
+    rows = [(o.expected.label, *_pair(o.expected.tokens_per_step, o.current), *_pair(o.expected.acceptance, o.acceptance),
+             o.lossless, o.verdict) for o in outcomes]
+    return tabulate(rows, headers=["config", "baseline tokens/step", "current", "change", "baseline acceptance",
+                                   "current", "change", "lossless", "verdict"],
+                    tablefmt="pipe", disable_numparse=True) + "\n"
 
 
-def _pair(expected: float | None, current: float | None) -> str:
-    """'baseline | current | relative change' cells."""
+def _pair(expected: float | None, current: float | None) -> tuple[str, str, str]:
+    """Baseline, current and relative change cells."""
     def fmt(value):
         return "—" if value is None else f"{value:.4f}"
     change = "—" if expected in (None, 0) or current is None else f"{current / expected - 1:+.1%}"
-    return f"{fmt(expected)} | {fmt(current)} | {change}"
+    return fmt(expected), fmt(current), change

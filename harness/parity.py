@@ -51,11 +51,13 @@ def check(config: RunConfig, root: Path = Path("results")) -> Parity:
 
 def table(parity: Parity) -> str:
     """One line per fill level: decoding's states and hits beside the training layout's on the same states."""
-    lines = ["fill  states  disagree  ties  decode_acc  train_acc  | all_states  train_acc_all  replay_disagree"]
-    for fill, f in enumerate(parity.fills):
-        lines.append(f"{fill:>4}  {f.states:>6}  {f.disagree:>8}  {f.ties:>4}  {_rate(f.decode_hits, f.states):>10}  "
-                     f"{_rate(f.train_hits, f.states):>9}  | {f.all_states:>10}  "
-                     f"{_rate(f.all_train_hits, f.all_states):>13}  {f.replay_disagree:>15}")
+    from tabulate import tabulate
+
+    rows = [(fill, f.states, f.disagree, f.ties, _rate(f.decode_hits, f.states), _rate(f.train_hits, f.states), "|",
+             f.all_states, _rate(f.all_train_hits, f.all_states), f.replay_disagree)
+            for fill, f in enumerate(parity.fills)]
+    lines = [tabulate(rows, headers=["fill", "states", "disagree", "ties", "decode_acc", "train_acc", "|",
+                                     "all_states", "train_acc_all", "replay_disagree"], disable_numparse=True)]
     for m in parity.mismatches[:10]:
         lines.append(f"mismatch at position {m['position']} fill {m['fill']}: decode {m['decode']} train {m['train']} "
                      f"(decode margin {m['margin']})")
