@@ -4,7 +4,7 @@ report prints beside ours wherever model and configuration match."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MEAN = "mean"
 
@@ -16,6 +16,8 @@ class GridPoint:
     method: str
     params: tuple[tuple[str, object], ...]  # sorted (name, value) pairs, hashable
     temperature: float
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
 
     @classmethod
     def of(cls, method: str, temperature: float, **params) -> GridPoint:
@@ -27,21 +29,32 @@ class GridPoint:
 
     def label(self) -> str:
         params = " ".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.method} {params} T={self.temperature:g}".replace("  ", " ")
+        return f"{self.method} {params} T={self.temperature:g}{self._truncation(' top-k={} top-p={}')}".replace("  ", " ")
 
     def run_command(self) -> str:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.params)
-        return f"spd-bench run --method {self.method} {flags} --temperature {self.temperature:g}"
+        return (f"spd-bench run --method {self.method} {flags} --temperature {self.temperature:g}"
+                + self._truncation(" --top-k {} --top-p {}"))
+
+    def _truncation(self, form: str) -> str:
+        return form.format(self.top_k, f"{self.top_p:g}") if (self.top_k, self.top_p) != (0, 1.0) else ""
 
 
 def paper_grid() -> list[GridPoint]:
     """EAGLE-3 m in {3, 7, 15}; PPSD n in {4, 8, 16}; SPD n in {4, 8, 16} x Ls in {1..4} (input schedule) plus the
-    output-state ablation at n=16, Ls=4; each at T in {0, 1} and draft width in {1, 4}."""
+    output-state ablation at n=16, Ls=4; each at T in {0, 1} (T=1 with the reference's top-k and top-p) and draft
+    width in {1, 4}."""
     configs = [("eagle3", {"m": m}) for m in (3, 7, 15)]
     configs += [("ppsd", {"n": n, "ls": 1, "schedule": "output"}) for n in (4, 8, 16)]
     configs += [("spd", {"n": n, "ls": ls, "schedule": "input"}) for n in (4, 8, 16) for ls in (1, 2, 3, 4)]
     configs += [("spd", {"n": 16, "ls": 4, "schedule": "output"})]
-    return [GridPoint.of(method, t, **params, width=w) for t in (0, 1) for w in (1, 4) for method, params in configs]
+    return [replace(GridPoint.of(method, t, **params, width=w), **(PAPER_SAMPLING if t > 0 else {}))
+            for t in (0, 1) for w in (1, 4) for method, params in configs]
+
+
+# The reference samples at T=1 from the top 50 tokens within top-p 0.95, on target and drafter alike (the verifiers
+# compare the truncated distributions, so decoding stays lossless with respect to the truncated target).
+PAPER_SAMPLING = {"top_k": 50, "top_p": 0.95}
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ def missing_drafter(config: RunConfig, identity) -> str | None:
 
 
 def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> SweepOutcome:
-    configs = {point: replace(base, method=point.method, params=point.param_dict, temperature=point.temperature)
+    configs = {point: replace(base, method=point.method, params=point.param_dict, temperature=point.temperature,
+                              top_k=point.top_k, top_p=point.top_p)
                for point in points}
     for config in configs.values():
         validate(config)  # bad input fails before the model loads

@@ -31,3 +31,7 @@ def test_paper_preset():
     assert {p.param_dict["m"] for p in points if p.method == "eagle3"} == {3, 7, 15}
     assert {p.param_dict["n"] for p in points if p.method == "ppsd"} == {4, 8, 16}
     assert {(p.temperature, p.param_dict["width"]) for p in points} == {(0, 1), (0, 4), (1, 1), (1, 4)}
+    # T=1 samples as the reference does: top-k 50 within top-p 0.95 (records carry both), T=0 is plain greedy
+    assert {(p.temperature, p.top_k, p.top_p) for p in points} == {(0, 0, 1.0), (1, 50, 0.95)}
+    sampled = next(p for p in points if p.temperature == 1)
+    assert sampled.run_command().endswith("--temperature 1 --top-k 50 --top-p 0.95")
