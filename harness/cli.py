@@ -259,6 +259,20 @@ def report(results, fmt, out, summary):
 
 
 @main.command()
+@click.option("--format", "fmt", type=click.Choice(["spec-bench", "reference"]), required=True,
+              help="spec-bench: Spec-Bench answer files; reference: the reference code's per-sample JSONL (pipeline).")
+@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+              help="Results file or folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
+def export(fmt, results, out):
+    """Our records in another tool's format, one file per configuration."""
+    from harness.export import export as write
+
+    written, skipped = write(_records(results), fmt, out)
+    click.echo(f"{len(written)} files in {out}" + (f" ({skipped} records have no {fmt} form)" if skipped else ""))
+
+
+@main.command()
 @click.option("--baseline", type=click.Path(path_type=Path), required=True, help="Baseline JSON (spd-bench check --write).")
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
