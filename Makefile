@@ -21,7 +21,7 @@ GATE_TOLERANCE ?= 0.1
 GATE_RUN       := cd $(GATE_DIR) && export HF_HUB_OFFLINE=1 SPD_BENCH_CACHE=$(GATE_DIR)/cache && $(abspath $(BIN))/spd-bench
 GATE_ARGS      := --dataset mt_bench,gsm8k,humaneval --limit 2 --max-new-tokens 48
 
-.PHONY: install bench test test-fast report regression regression-baseline gate-dir
+.PHONY: install bench test test-fast report regression regression-baseline gate-dir gpu-check
 
 install: $(STAMP)
 
@@ -59,3 +59,8 @@ regression-baseline: gate-dir   # rewrites the committed baseline from a fresh g
 	$(GATE_RUN) run $(BENCH_SPD) $(GATE_ARGS) --out $(GATE_DIR)/results/spd.jsonl
 	$(GATE_RUN) run $(BENCH_EAGLE) $(GATE_ARGS) --out $(GATE_DIR)/results/eagle3.jsonl
 	$(GATE_RUN) check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results --write
+
+# On a GPU machine that has torch and transformers preinstalled and no network: no virtual environment, no
+# downloads; random models of real shapes, every method against AR, AR against HF generate (harness/selfcheck.py).
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.cli selfcheck --device cuda --out results/bench/selfcheck-gpu.jsonl

@@ -259,6 +259,32 @@ def report(results, fmt, out, summary):
 
 
 @main.command()
+@click.option("--device", default="cuda", show_default=True, help="cpu or cuda[:k].")
+@click.option("--shapes", type=click.Choice(["real", "tiny"]), default="real", show_default=True,
+              help="real: Qwen3.5-4B- and Qwen3-4B-shaped random models; tiny: small ones (a CPU).")
+@click.option("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--prompts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/selfcheck.jsonl"),
+              show_default=True)
+def selfcheck(device, shapes, dtype, prompts, max_new_tokens, out):
+    """Every method lossless against AR on random models of real shapes, and AR against HF generate (no downloads)."""
+    from harness import selfcheck as check
+    from harness.models import default_dtype, resolve_device, resolve_dtype
+    from harness.results import ResultStore
+
+    resolve_device(device)  # a missing CUDA device fails here, in one line
+    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(dtype or default_dtype(device)))
+    store = ResultStore(out)
+    for row in check.record(checks, device):
+        store.append(row)
+    click.echo(check.table(checks))
+    click.echo(f"records: {out}")
+    if not all(c.ok for c in checks):
+        raise SystemExit(1)
+
+
+@main.command()
 @click.option("--format", "fmt", type=click.Choice(["spec-bench", "reference"]), required=True,
               help="spec-bench: Spec-Bench answer files; reference: the reference code's per-sample JSONL (pipeline).")
 @click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,

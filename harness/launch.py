@@ -3,8 +3,8 @@
 Two ways in. `spd-bench run ... --executor distributed` starts its own stage ranks on this machine (spawned
 processes, one per stage, a free port on the loopback); the calling process becomes rank 0, the driver. Under
 `torchrun` (several nodes) every rank runs the same command line: rank 0 drives, the others serve their stage
-(`serve_from_env`). Either way the group uses NCCL when the driver and every stage are on CUDA devices and gloo
-otherwise, and every wait is bounded by `--timeout`: a rank that dies or stops answering ends the run with one line.
+(`serve_from_env`). Either way the group uses NCCL when the driver and every stage have CUDA devices of their own and
+gloo otherwise, and every wait is bounded by `--timeout`: a rank that dies or stops answering ends the run with one line.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ def stage_devices(devices: str | None, driver_device: str, n: int) -> list[str]:
 
 
 def backend_for(driver_device: str, devices: list[str]) -> str:
-    return "nccl" if all(d.startswith("cuda") for d in [driver_device, *devices]) else "gloo"
+    """NCCL when every rank has a GPU of its own; gloo otherwise (host memory in between), since NCCL refuses two
+    ranks on one GPU."""
+    ranks = [d if d != "cuda" else "cuda:0" for d in (driver_device, *devices)]
+    return "nccl" if all(d.startswith("cuda") for d in ranks) and len(set(ranks)) == len(ranks) else "gloo"
 
 
 def _free_port() -> int:

@@ -1,0 +1,243 @@
+"""A self-check for a machine with no checkpoints and no network (`spd-bench selfcheck`, `make gpu-check`).
+
+Randomly initialised models of real shapes (a Qwen3.5-4B-shaped hybrid of Gated DeltaNet and gated attention
+layers, and a Qwen3-4B-shaped one with attention only; `--shapes tiny` for a CPU) run every method at T=0 on random
+prompts, checked token by token against the harness's greedy AR; the harness's AR is timed against HF `generate`;
+the distributed executor runs its ranks on the same device. Drafters are random too, so to reach the accept paths
+an oracle proposes AR's next token part of the time. Random weights leave many near-ties, where two correct kernels
+may pick different tokens: a divergence whose top-2 logit margin is below `TIE` is reported as a tie, not a failure.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from harness.errors import HarnessError
+from harness.target import TargetRuntime
+
+TIE = 0.05  # logits: bf16 carries about 3 significant digits, random-init logits are O(1)
+
+QWEN3_5_4B = dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,
+                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, tie_word_embeddings=True)
+QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, num_hidden_layers=8, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+SHAPES = ("real", "tiny")
+
+
+@dataclass
+class Check:
+    model: str
+    method: str
+    samples: int
+    identical: int
+    ties: int
+    tokens_per_step: float
+    tokens_s: float
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.identical + self.ties == self.samples
+
+
+def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
+
+    sizes = dict(TINY if shape == "tiny" else QWEN3_5_4B if arch == "qwen3_5" else QWEN3_4B)
+    if arch == "qwen3_5":
+        layers = sizes["num_hidden_layers"]
+        config = Qwen3_5TextConfig(**sizes, max_position_embeddings=4096,
+                                   layer_types=[("linear_attention", "linear_attention", "linear_attention",
+                                                 "full_attention")[i % 4] for i in range(layers)])
+    else:
+        config = Qwen3Config(**{k: v for k, v in sizes.items() if not k.startswith("linear_")},
+                             max_position_embeddings=4096)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised where it runs: a 4B model initialises in seconds on a GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _oracle_class(reference: dict[int, int], hit_rate: float):
+    """A pipeline drafter that proposes AR's next token with probability `hit_rate`, else its own pick."""
+    from methods.pipeline import Drafter
+
+    rng = torch.Generator().manual_seed(0)
+
+    class Oracle(Drafter):
+        def logits(self, finished, levels):
+            out = super().logits(finished, levels).clone()
+            for i, leaf in enumerate(levels[-1] if levels else finished[-1:]):
+                token = reference.get(leaf.position + 1)
+                if token is not None and float(torch.rand((), generator=rng)) < hit_rate:
+                    out[i] = -1e4
+                    out[i, token] = 1e4
+            return out
+
+    return Oracle
+
+
+def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
+    """Every method the harness runs, with random drafters (trees only where attention can take a tree mask)."""
+    from methods.eagle3 import EAGLE3, EagleParams
+    from methods.eagle_head import EagleConfig, EagleHead
+    from methods.ppsd import PPSD
+    from methods.spd import SPD
+    from methods.speculator import Speculator, SpeculatorConfig
+
+    found = []
+    widths = (1,) if target.has_linear_layers else (1, 4)
+    for cls, schedule in ((SPD, "input"), (SPD, "output"), (PPSD, "output")):
+        for width in widths:
+            config = SpeculatorConfig(n=4, ls=1, schedule=schedule, policy=cls.policy, num_layers=target.num_layers)
+            speculator = Speculator(config, target).eval()
+            params = cls.Params(n=4, ls=1, schedule=schedule, width=width)
+            found.append((f"{cls.name} n=4 ls=1 {schedule} w={width}", cls(target, params, set(), speculator=speculator)))
+    for width in widths:
+        head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
+        found.append((f"eagle3 m=3 w={width}", EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)))
+    return found
+
+
+def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int) -> list[Check]:
+    from harness.lossless import compare
+    from methods.base import build_method
+    from methods.sampling import Sampler, SamplingConfig
+
+    target = TargetRuntime(model, max_len=max(map(len, prompts)) + new_tokens + 64)
+    greedy = Sampler(SamplingConfig())
+    ar = build_method("autoregressive", target, {}, set())
+    references = [ar.generate(p, new_tokens, greedy).output_ids for p in prompts]
+    checks = []
+    for label, method in [("autoregressive", ar), *_methods(target)]:
+        identical = ties = tokens = steps = 0
+        seconds = 0.0
+        for prompt, reference in zip(prompts, references):
+            if hasattr(method, "engine"):
+                method.engine.drafter_class = _oracle_class(
+                    {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+            with torch.inference_mode():
+                generation = method.generate(prompt, new_tokens, greedy)
+                verdict = compare(target, prompt, generation.output_ids, reference)
+            identical += verdict["identical"]
+            ties += _tie(verdict)
+            tokens += len(generation.output_ids) - 1
+            steps += generation.steps
+            seconds += generation.timing.get("decode", 0.0)
+        checks.append(Check(name, label, len(prompts), identical, ties, round(tokens / max(steps, 1), 3),
+                            round(tokens / seconds, 1) if seconds else 0.0))
+    return checks
+
+
+def time_against_hf(name: str, model, prompts: list[list[int]], new_tokens: int) -> Check:
+    """Harness AR vs HF `generate` (greedy, no stop token) on the same prompts: tokens/s of each."""
+    from harness.lossless import compare
+    from methods.base import build_method
+    from methods.sampling import Sampler, SamplingConfig
+
+    target = TargetRuntime(model, max_len=max(map(len, prompts)) + new_tokens + 8)
+    ar = build_method("autoregressive", target, {}, set())
+    ours = theirs = 0.0
+    same = ties = 0
+    for prompt in prompts:
+        with torch.inference_mode():
+            generation = ar.generate(prompt, new_tokens, Sampler(SamplingConfig()))
+            ours += generation.timing["decode"]
+            ids = torch.tensor([prompt], device=target.device)
+            _sync(target.device)
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            _sync(target.device)
+            theirs += time.perf_counter() - start
+            verdict = compare(target, prompt, out[0, len(prompt):].tolist(), generation.output_ids)
+        same += verdict["identical"]
+        ties += _tie(verdict)
+    tokens = len(prompts) * (new_tokens - 1)
+    return Check(name, "HF generate", len(prompts), same, ties, 1.0, round(len(prompts) * new_tokens / theirs, 1),
+                 note=f"harness AR {tokens / ours:.1f} tok/s (decode after the prefill token)")
+
+
+def _tie(verdict: dict) -> bool:
+    return not verdict["identical"] and verdict["margin"] is not None and verdict["margin"] < TIE
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> Check:
+    """SPD n=2 with one process per stage on `device` (a tiny model: every rank loads it from disk)."""
+    from harness import launch
+    from harness.models import load_model
+    from methods.base import build_method
+    from methods.sampling import Sampler, SamplingConfig
+    from methods.spd import SPD
+    from methods.speculator import Speculator, SpeculatorConfig
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory() as folder:
+        build_model("qwen3_5", "tiny", "cpu", dtype).save_pretrained(folder)
+        loaded = load_model(folder, device, dtype_name, tokenizer=False)
+        target = TargetRuntime(loaded.model, max_len=max(map(len, prompts)) + new_tokens + 64, identity=loaded.identity)
+        speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=target.num_layers), target).eval()
+        method = SPD(target, SPD.Params(n=2, ls=1), set(), speculator=speculator)
+        ar = build_method("autoregressive", target, {}, set())
+        identical = 0
+        with launch.stage_group(folder, device, [device] * 2, timeout_s=300) as group:
+            executor = method.distribute(group, dtype_name)
+            for prompt in prompts:
+                with torch.inference_mode():
+                    reference = ar.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids
+                    method.engine.drafter_class = _oracle_class(
+                        {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+                    identical += method.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids == reference
+            executor.close()
+        return Check("tiny qwen3_5", f"spd n=2 distributed ({group.backend})", len(prompts), identical, 0, 0.0, 0.0)
+
+
+def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: torch.dtype) -> list[Check]:
+    if shape not in SHAPES:
+        raise HarnessError(f"--shapes must be one of {', '.join(SHAPES)}, got {shape!r}")
+    generator = torch.Generator().manual_seed(0)
+    checks = []
+    for arch in ("qwen3_5", "qwen3"):
+        model = build_model(arch, shape, device, dtype)
+        vocab = model.config.vocab_size
+        batch = [torch.randint(1, vocab, (int(length),), generator=generator).tolist()
+                 for length in torch.randint(1, 40, (prompts,), generator=generator)]
+        name = f"{arch} ({'random, real shape' if shape == 'real' else 'tiny'})"
+        checks += check_methods(name, model, batch, new_tokens)
+        checks.append(time_against_hf(name, model, batch, new_tokens))
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    checks.append(check_distributed(device, dtype, [[1, 2, 3], [7]], new_tokens))
+    return checks
+
+
+def table(checks: list[Check]) -> str:
+    from tabulate import tabulate
+
+    rows = [(c.model, c.method, f"{c.identical}/{c.samples}", c.ties, c.tokens_per_step or "—", c.tokens_s or "—",
+             "ok" if c.ok else "FAIL", c.note) for c in checks]
+    return tabulate(rows, headers=["model", "method", "identical to AR", "near-ties", "tokens/step", "tok/s",
+                                   "verdict", "note"], disable_numparse=True)
+
+
+def record(checks: list[Check], device: str) -> list[dict]:
+    versions = {"torch": torch.__version__}
+    if device.startswith("cuda"):
+        versions["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return [{"kind": "selfcheck", "device": device, **asdict(c), "ok": c.ok, "versions": versions} for c in checks]
