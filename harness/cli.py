@@ -258,6 +258,24 @@ def report(results, fmt, out, summary):
     click.echo(f"report: {out}")
 
 
+@main.command(name="import")
+@click.option("--spd", "spd_file", type=click.Path(path_type=Path), required=True,
+              help="A reference speculation head (v11 .pt, e.g. Qwen3.5-4B_s8_l4.pt).")
+@click.option("--force", is_flag=True, help="Replace a drafter already in the cache for this n and Ls.")
+@model_option
+@device_option
+@dtype_option
+def import_command(spd_file, force, model, device, dtype):
+    """Convert a published SPD head for --model into the drafter cache (checked against the target)."""
+    from harness.interop import import_spd
+    from harness.models import load_model
+    from harness.target import TargetRuntime
+
+    loaded = load_model(model, device, dtype)
+    folder = import_spd(spd_file, TargetRuntime(loaded.model, max_len=8, identity=loaded.identity), force=force)
+    click.echo(f"drafter: {folder}")
+
+
 @main.command()
 @click.option("--device", default="cuda", show_default=True, help="cpu or cuda[:k].")
 @click.option("--shapes", type=click.Choice(["real", "tiny"]), default="real", show_default=True,

@@ -154,6 +154,23 @@ def drafter_fingerprint(config: RunConfig, identity) -> str | None:
     return checkpoints.fingerprint(found[0])
 
 
+def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
+    """`--checkpoint FILE` (not a folder): a reference speculation head, converted into the cache and used from there."""
+    if not config.checkpoint or not Path(config.checkpoint).is_file():
+        return
+    if config.method != "spd":
+        raise HarnessError(f"{config.checkpoint} is a file: only reference SPD heads (.pt) are read that way; "
+                           f"pass a drafter folder for --method {config.method}")
+    from harness.interop import import_spd
+
+    folder = import_spd(Path(config.checkpoint), TargetRuntime(loaded.model, max_len=8, identity=loaded.identity))
+    saved = checkpoints.load_config(folder)["speculator"]
+    if (saved["n"], saved["ls"]) != (config.params["n"], config.params["ls"]):
+        raise HarnessError(f"{config.checkpoint} is a head for n={saved['n']}, Ls={saved['ls']}; pass --n {saved['n']} "
+                           f"--ls {saved['ls']}")
+    config.checkpoint = str(folder)
+
+
 def sample_seed(seed: int, sample: Sample) -> int:
     """Per-sample seed, so a resumed run draws exactly what an uninterrupted one would have."""
     text = f"{seed}/{sample.dataset}/{sample.question_id}"
@@ -370,6 +387,7 @@ def run(config: RunConfig) -> Path | None:
         ResultStore(store_path).load()  # an unreadable file fails here, before the model loads
     loaded = load_model(config.model, config.device, config.dtype)
     check_model(config.method, config.params, loaded)
+    import_checkpoint(config, loaded)
     store = ResultStore(store_path or default_out(config, loaded.identity.name))
     store.load()
     Runner(config, loaded).run(samples, store)

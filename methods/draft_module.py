@@ -23,18 +23,35 @@ def module_layer_config(target_config, count: int, attention: str | None = None)
     return config
 
 
+def qwen3_layers(config):
+    """Qwen3 decoder layers (attention with q/k norms) of another target's shapes: the reference's spec layers for
+    Llama targets. Rotary embeddings stay the target's."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    shapes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+              "vocab_size", "max_position_embeddings", "num_hidden_layers", "hidden_act", "attention_bias")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qwen3 = Qwen3Config(**{k: getattr(config, k) for k in shapes if hasattr(config, k)}, head_dim=head_dim)
+    qwen3._attn_implementation = config._attn_implementation
+    qwen3.layer_types = ["full_attention"] * config.num_hidden_layers
+    return Qwen3DecoderLayer, qwen3
+
+
 class DraftModule(nn.Module):
     """Base of the SPD speculator and the EAGLE-3 head: `layers`, `head`, `draft_ids` and the frozen target parts."""
 
     def __init__(self, target: TargetRuntime, num_layers: int, draft_ids: torch.Tensor | None,
-                 attention: str | None = None):
+                 attention: str | None = None, layer_kind: str = "target"):
         super().__init__()
         hidden = target.config.hidden_size
         layer_class = type(target.layers[0])
         layer_config = module_layer_config(target.config, num_layers, attention)
+        if layer_kind == "qwen3":
+            layer_class, layer_config = qwen3_layers(layer_config)
         self.layers = nn.ModuleList(layer_class(layer_config, i) for i in range(num_layers))
         head_weight = target.model.lm_head.weight.detach()
-        if draft_ids is None:
+        if draft_ids is None or draft_ids.numel() == 0:  # the full vocabulary (a saved one is an empty buffer)
             self.register_buffer("draft_ids", torch.empty(0, dtype=torch.long))
         else:
             self.register_buffer("draft_ids", draft_ids.to(torch.long))

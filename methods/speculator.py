@@ -20,6 +20,7 @@ from methods.grouped_layout import GROUPED
 
 SCHEDULES = ("input", "output")
 POLICIES = ("multi_depth", "first_stage")
+LAYER_KINDS = ("target", "qwen3")
 
 
 def stage_bounds(num_layers: int, n: int) -> list[tuple[int, int]]:
@@ -54,6 +55,11 @@ class SpeculatorConfig:
     num_layers: int = 0
     target: dict = field(default_factory=dict)  # name + weights_sha256 of the target it was trained for
     draft_vocab_size: int | None = None
+    # The reference's aggregation (its "aggr_feature_bound"): hidden-state indices b_0 = 0 < b_1 < ...; projection i
+    # reads cat(h[b_0], ..., h[b_i]) and a token at depth d uses the deepest i with b_i at or below the layer it
+    # reached, so depths share projections. Empty: one projection per depth over feature_layers (this harness's own).
+    aggr_bounds: tuple[int, ...] = ()
+    layer_kind: str = "target"  # decoder layers of the target's class, or "qwen3" (the reference's for Llama targets)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -62,6 +68,13 @@ class SpeculatorConfig:
             raise ValueError(f"feature policy must be one of {POLICIES}, got {self.policy!r}")
         if self.ls < 1:
             raise ValueError(f"ls must be >= 1, got {self.ls}")
+        if self.layer_kind not in LAYER_KINDS:
+            raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {self.layer_kind!r}")
+        self.aggr_bounds = tuple(self.aggr_bounds)
+        bounds = self.aggr_bounds
+        if bounds and (bounds[0] != 0 or any(b >= c for b, c in zip(bounds, bounds[1:]))
+                       or (self.num_layers and bounds[-1] > self.num_layers)):
+            raise ValueError(f"aggregation bounds must rise from 0 to at most {self.num_layers}, got {list(bounds)}")
 
     @property
     def query_depth(self) -> int:
@@ -72,7 +85,23 @@ class SpeculatorConfig:
     def bounds(self) -> list[tuple[int, int]]:
         return stage_bounds(self.num_layers, self.n)
 
+    def projection_of(self, depth: int) -> int:
+        """Which projection a row at `depth` goes through (bounds: shared between depths)."""
+        if not self.aggr_bounds:
+            return depth
+        reached = self.bounds[depth - 1][1] if depth else 0
+        return max(i for i, b in enumerate(self.aggr_bounds) if b <= reached)
+
+    @property
+    def projection_inputs(self) -> list[int]:
+        """Features read by each projection, in order."""
+        if self.aggr_bounds:
+            return [i + 1 for i in range(len(self.aggr_bounds))]
+        return [len(self.layers_for(d)) for d in range(self.n + 1)]
+
     def layers_for(self, depth: int) -> tuple[int, ...]:
+        if self.aggr_bounds:
+            return self.aggr_bounds[: self.projection_of(depth) + 1]
         return feature_layers(self.policy, self.bounds, depth)
 
     def all_feature_layers(self) -> tuple[int, ...]:
@@ -86,22 +115,22 @@ class Speculator(DraftModule):
     """Per-depth projections -> Ls decoder layers of the target's shape -> target's final norm -> trainable head."""
 
     def __init__(self, config: SpeculatorConfig, target: TargetRuntime, draft_ids: torch.Tensor | None = None):
-        super().__init__(target, config.ls, draft_ids, attention=GROUPED)  # trains in the grouped layout
+        super().__init__(target, config.ls, draft_ids, attention=GROUPED,  # trains in the grouped layout
+                         layer_kind=config.layer_kind)
         self.config = config
         hidden = target.config.hidden_size
         self.projections = nn.ModuleList(
-            nn.Linear(len(config.layers_for(d)) * hidden, hidden, bias=False) for d in range(config.n + 1)
+            nn.Linear(count * hidden, hidden, bias=False) for count in config.projection_inputs
         )
         with torch.no_grad():
-            for d, projection in enumerate(self.projections):
+            for count, projection in zip(config.projection_inputs, self.projections):
                 # Start as "the deepest feature passes through": a sensible init that training refines.
                 projection.weight.zero_()
-                last = len(config.layers_for(d)) - 1
-                projection.weight[:, last * hidden:].copy_(torch.eye(hidden))
+                projection.weight[:, (count - 1) * hidden:].copy_(torch.eye(hidden))
         self.to(device=target.device, dtype=target.dtype)
 
     # --- features ---------------------------------------------------------------------------------------------
     def project(self, depth: int, features: dict[int, torch.Tensor]) -> torch.Tensor:
         """Row input for a token at `depth` from its hidden states {layer: [..., D]}."""
         parts = [features[layer] for layer in self.config.layers_for(depth)]
-        return self.projections[depth](torch.cat(parts, dim=-1))
+        return self.projections[self.config.projection_of(depth)](torch.cat(parts, dim=-1))
