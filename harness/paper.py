@@ -79,8 +79,38 @@ def _norm(text: str) -> str:
 
 
 MAIN = "paper, main table (4B, mean of MT-Bench/GSM8K/HumanEval)"
+
+
+def _chain(method: str, **params) -> dict:
+    defaults = {"ls": 1, "schedule": "output"} if method == "ppsd" else {"schedule": "input"} if method == "spd" else {}
+    return {**defaults, **params, "width": 1}
+
+
+# The reference repository's BENCHMARK_RESULTS (v11, width 1, 80 prompts per dataset, 512 tokens), per model,
+# configuration and temperature: (theoretical, wall-clock on n+1 GPUs vs one-GPU AR).
+REPO_ROWS = (
+    ("Qwen3.5-4B", "eagle3", _chain("eagle3", m=3), 0, 2.47, 1.88),
+    ("Qwen3.5-4B", "eagle3", _chain("eagle3", m=7), 0, 2.72, 1.97),
+    ("Qwen3.5-4B", "eagle3", _chain("eagle3", m=15), 0, 2.39, 1.62),
+    ("Qwen3.5-4B", "ppsd", _chain("ppsd", n=4), 0, 1.54, 1.28),
+    ("Qwen3.5-4B", "ppsd", _chain("ppsd", n=8), 0, 1.68, 1.25),
+    ("Qwen3.5-4B", "ppsd", _chain("ppsd", n=16), 0, 1.40, 0.89),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=4, ls=4), 0, 2.64, 2.27),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=8, ls=4), 0, 3.51, 2.41),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=8, ls=3), 0, 3.39, 2.53),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=8, ls=2), 0, 3.32, 2.47),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=16, ls=2), 0, 3.70, 1.43),
+    ("Qwen3.5-4B", "eagle3", _chain("eagle3", m=7), 1, 2.06, 1.46),
+    ("Qwen3.5-4B", "ppsd", _chain("ppsd", n=8), 1, 1.44, 0.95),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=4, ls=4), 1, 2.48, 1.95),
+    ("Qwen3.5-4B", "spd", _chain("spd", n=8, ls=3), 1, 3.05, 2.05),
+    ("Qwen3.5-9B", "eagle3", _chain("eagle3", m=7), 0, 3.17, 2.54),
+    ("Qwen3.5-9B", "spd", _chain("spd", n=8, ls=3), 0, 3.61, 2.67),
+    ("Qwen3.5-9B", "spd", _chain("spd", n=4, ls=4), 0, 2.70, 2.32),
+)
 REPO = ("paper's reference code v11 (T=0 overall; pipeline theoretical = its n * N / S per-sample mean; wall-clock "
         "on n+1 GPUs vs one-GPU AR)")
+REPO_T1 = "paper's reference code v11 (T=1 with top-k 50, top-p 0.95; otherwise as at T=0)"
 REFERENCES = (
     Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, 1, MEAN, "l_acc", 3.43, MAIN),
     Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 4}, 1, MEAN, "theoretical_speedup", 2.79, MAIN),
@@ -100,18 +130,9 @@ REFERENCES = (
               1, MEAN, "theoretical_speedup", 2.39, "paper, ablation"),
     Reference("Qwen3.5-4B", "spd", {"n": 16, "ls": 4, "schedule": "input", "width": 4},
               1, MEAN, "theoretical_speedup", 3.44, "paper, ablation"),
-    Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1},
-              0, "overall", "reference_theoretical", 3.39, REPO),
-    Reference("Qwen3.5-4B", "spd", {"n": 8, "ls": 3, "schedule": "input", "width": 1},
-              0, "overall", "wall_clock_speedup", 2.53, REPO),
-    Reference("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1},
-              0, "overall", "reference_theoretical", 2.64, REPO),
-    Reference("Qwen3.5-4B", "spd", {"n": 4, "ls": 4, "schedule": "input", "width": 1},
-              0, "overall", "wall_clock_speedup", 2.27, REPO),
-    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "theoretical_speedup", 2.72, REPO),
-    Reference("Qwen3.5-4B", "eagle3", {"m": 7, "width": 1}, 0, "overall", "wall_clock_speedup", 1.97, REPO),
-    Reference("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1},
-              0, "overall", "reference_theoretical", 1.54, REPO),
-    Reference("Qwen3.5-4B", "ppsd", {"n": 4, "ls": 1, "schedule": "output", "width": 1},
-              0, "overall", "wall_clock_speedup", 1.28, REPO),
+    *(entry for model, method, params, t, theoretical, wall in REPO_ROWS for entry in (
+        Reference(model, method, params, t, "overall",
+                  "theoretical_speedup" if method == "eagle3" else "reference_theoretical", theoretical,
+                  REPO if t == 0 else REPO_T1),
+        Reference(model, method, params, t, "overall", "wall_clock_speedup", wall, REPO if t == 0 else REPO_T1))),
 )
