@@ -259,21 +259,51 @@ def report(results, fmt, out, summary):
 
 
 @main.command(name="import")
-@click.option("--spd", "spd_file", type=click.Path(path_type=Path), required=True,
+@click.option("--spd", "spd_file", type=click.Path(path_type=Path), default=None,
               help="A reference speculation head (v11 .pt, e.g. Qwen3.5-4B_s8_l4.pt).")
-@click.option("--force", is_flag=True, help="Replace a drafter already in the cache for this n and Ls.")
+@click.option("--eagle3", "eagle_dir", type=click.Path(path_type=Path), default=None,
+              help="An EAGLE-3 head folder (config.json + model.safetensors or pytorch_model.bin).")
+@click.option("--ttt", type=click.IntRange(min=1), default=7, show_default=True,
+              help="--eagle3: the tag it is filed under (run it with --param ttt=N --param layout=eagle3).")
+@click.option("--force", is_flag=True, help="Replace a drafter already in the cache under the same tag.")
 @model_option
 @device_option
 @dtype_option
-def import_command(spd_file, force, model, device, dtype):
-    """Convert a published SPD head for --model into the drafter cache (checked against the target)."""
-    from harness.interop import import_spd
+def import_command(spd_file, eagle_dir, ttt, force, model, device, dtype):
+    """Convert a published SPD or EAGLE-3 head for --model into the drafter cache (checked against the target)."""
+    from harness.interop import import_eagle3, import_spd
     from harness.models import load_model
     from harness.target import TargetRuntime
 
+    if (spd_file is None) == (eagle_dir is None):
+        raise click.UsageError("pass one of --spd FILE.pt or --eagle3 DIR")
     loaded = load_model(model, device, dtype)
-    folder = import_spd(spd_file, TargetRuntime(loaded.model, max_len=8, identity=loaded.identity), force=force)
+    target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+    folder = (import_spd(spd_file, target, force=force) if spd_file
+              else import_eagle3(eagle_dir, target, ttt=ttt, force=force))
     click.echo(f"drafter: {folder}")
+
+
+@main.command(name="export-head")
+@model_option
+@click.option("--ttt", type=click.IntRange(min=1), default=7, show_default=True, help="Which trained head.")
+@click.option("--checkpoint", default=None, help="The head's folder (default: the cache's eagle3-layout head).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The EAGLE-3 folder to write.")
+def export_head(model, ttt, checkpoint, out):
+    """An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format (SGLang, the EAGLE code)."""
+    from transformers import AutoConfig
+
+    from harness.interop import export_eagle3
+    from harness.models import load_identity, resolve_model_dir
+    from methods.eagle3 import EagleParams
+
+    from harness import checkpoints
+
+    tag = EagleParams(ttt=ttt, layout="eagle3").tag
+    folder, _ = checkpoints.locate(load_identity(model), "eagle3", tag,
+                                   f"spd-bench train --method eagle3 --m {ttt} --eagle-layout eagle3", checkpoint)
+    text = AutoConfig.from_pretrained(resolve_model_dir(model)[1]).get_text_config()
+    click.echo(f"EAGLE-3 head: {export_eagle3(folder, out, text)}")
 
 
 @main.command()
@@ -451,7 +481,8 @@ DEFAULT_LS = {"spd": "4", "ppsd": "1"}
 TRAINABLE = (*POLICIES, "eagle3")
 
 
-def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, m_values: str) -> list:
+def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, m_values: str,
+                   eagle_layout: str = "harness") -> list:
     """Every drafter a train command asks for: pipeline drafters over n x Ls x schedule, EAGLE-3 heads over m."""
     from harness.objectives import EagleSpec, PipelineSpec
 
@@ -460,7 +491,7 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
         if method not in TRAINABLE:
             raise click.BadParameter(f"--method must list {', '.join(TRAINABLE)}, got {method!r}")
         if method == "eagle3":
-            specs += [EagleSpec(m) for m in _values(m_values)]
+            specs += [EagleSpec(m, eagle_layout) for m in _values(m_values)]
             continue
         schedule_list = [s.strip() for s in (schedules or DEFAULT_SCHEDULE[method]).split(",") if s.strip()]
         if any(s not in ("input", "output") for s in schedule_list) or not schedule_list or (
@@ -486,6 +517,8 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
               help="input, output or both, comma list (default: spd input, ppsd output).")
 @click.option("--m", "m_values", default="7", show_default=True,
               help="EAGLE-3 training-time-test steps (comma list trains several heads).")
+@click.option("--eagle-layout", type=click.Choice(["harness", "eagle3"]), default="harness", show_default=True,
+              help="EAGLE-3 heads: the harness's layer, or the EAGLE-3 authors' (exportable with export-head).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Target tokens to train on (shared by every drafter of this run).")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
@@ -508,15 +541,16 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @model_option
 @device_option
 @dtype_option
-def train(methods, n_values, ls_values, schedules, m_values, tokens, seq_len, batch_size, lr, draft_vocab, save_every,
-          val_prompts, corpus, init, autocast, resume, model, device, dtype):
+def train(methods, n_values, ls_values, schedules, m_values, eagle_layout, tokens, seq_len, batch_size, lr, draft_vocab,
+          save_every, val_prompts, corpus, init, autocast, resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
 
-    specs = _drafter_specs(methods, n_values, ls_values, schedules, m_values)
+    specs = _drafter_specs(methods, n_values, ls_values, schedules, m_values, eagle_layout)
     shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
                                                 ("m", m_values)) if v is not None)
+    shape += "" if eagle_layout == "harness" else f" --eagle-layout {eagle_layout}"
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
                          draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, corpus=corpus,
                          init=init, autocast=autocast, device=device, dtype=dtype, resume=resume,

@@ -1,4 +1,5 @@
-"""Published SPD speculation heads (the reference's "v11" `.pt` files) as this harness's drafters.
+"""Published drafters as this harness's own, and ours in their format: the reference's SPD speculation heads
+("v11" `.pt` files) and EAGLE-3 heads (the authors' and SpecForge's folders, both ways).
 
 A v11 file is `{"state_dict", "config"}` of plain tensors (read with `torch.load(weights_only=True)`, never
 unpickled): `aggr_projs.{i}` (projection i reads the features at `aggr_feature_bound[0..i]`), `spec_layers.{j}.*`
@@ -6,6 +7,11 @@ unpickled): `aggr_projs.{i}` (projection i reads the features at `aggr_feature_b
 ascending `draft_token_ids`. It maps onto the speculator's bounds configuration (methods/speculator.py) key by key;
 the converted drafter is written to the cache as safetensors with a config naming the target and the source file's
 sha256, so `run`, `sweep` and `report` use it like a trained one (input schedule, the reference's).
+
+An EAGLE-3 folder (`config.json` naming LlamaForCausalLMEagle3, `model.safetensors` or `pytorch_model.bin` read
+weights-only) maps onto the head's eagle3 layout (methods/eagle_head.py): `fc` -> `fuse`, `midlayer.*` and `norm` as
+they are, `lm_head` -> `head`, `d2t` -> the draft ids; features at `eagle_aux_hidden_state_layer_ids` (default 2,
+L/2, L-3). Heads trained here in that layout export back to the same folder format.
 """
 
 from __future__ import annotations
@@ -105,16 +111,8 @@ def import_spd(path: Path, target: TargetRuntime, force: bool = False) -> Path:
     except RuntimeError as exc:
         detail = " ".join(str(exc).split())[:300]
         raise HarnessError(f"{path} does not fit a v11 head of n={n}, Ls={ls} for this target ({detail})") from None
-    folder = checkpoints.drafter_dir(target.identity, "spd", f"n{n}-ls{ls}-input")
-    if (folder / checkpoints.CONFIG).exists() and not force:
-        saved = checkpoints.load_config(folder)
-        if saved.get("source", {}).get("sha256") != _sha256(path):
-            raise HarnessError(f"{folder} already holds a drafter; pass --force to replace it with {path.name}")
-    source = {"file": path.name, "sha256": _sha256(path), "format": f"reference v{VERSION}",
-              "base_model_path": config.get("base_model_path")}
-    checkpoints.save(folder, module, {"speculator": spec_config.to_dict(), "target": identity, "method": "spd",
-                                      "source": source})
-    return folder
+    return _save_imported(module, "spd", f"n{n}-ls{ls}-input", {"speculator": spec_config.to_dict()}, target, path,
+                          force, {"format": f"reference v{VERSION}", "base_model_path": config.get("base_model_path")})
 
 
 def _sha256(path: Path) -> str:
@@ -122,4 +120,183 @@ def _sha256(path: Path) -> str:
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
+    return digest.hexdigest()
+
+
+# --- EAGLE-3 heads (the EAGLE authors' and SpecForge's folder format) -------------------------------------------
+EAGLE3_RENAMES = (("fc.", "fuse."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "head."))
+EAGLE3_IGNORED = ("t2d", "embed_tokens.weight")  # t2d follows from d2t; the embedding is always the target's
+
+
+def _rope_theta(config) -> float | None:
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    parameters = get("rope_parameters") or get("rope_scaling") or {}
+    return get("rope_theta") or (parameters.get("rope_theta") if isinstance(parameters, dict) else None)
+
+
+def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the weights (model.safetensors, else pytorch_model.bin read weights-only)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise HarnessError(f"{folder} has no config.json; pass an EAGLE-3 head folder")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as exc:
+        raise HarnessError(f"{folder}/config.json is not JSON ({exc}); restore the file") from None
+    if not any("Eagle3" in a for a in config.get("architectures", [])):
+        raise HarnessError(f"{folder} is not an EAGLE-3 head (architectures {config.get('architectures')}); pass one "
+                           f"whose config names LlamaForCausalLMEagle3")
+    try:
+        if (folder / "model.safetensors").is_file():
+            weights = load_file(str(folder / "model.safetensors"))
+        elif (folder / "pytorch_model.bin").is_file():
+            weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise HarnessError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    except HarnessError:
+        raise
+    except Exception as exc:  # safetensors and torch.load each have their own error types for damaged files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HarnessError(f"{folder}: the weights are not readable ({first[:160]}); restore them") from None
+    return config, weights
+
+
+def eagle3_config(path: Path, config: dict, target: TargetRuntime, ttt: int):
+    """The head's EagleConfig, after checking it against the target."""
+    from methods.eagle_head import EagleConfig, default_feature_layers
+
+    text = target.config
+    hidden, vocab, layers = text.hidden_size, text.vocab_size, target.num_layers
+    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
+    checks = (("hidden size", config.get("target_hidden_size") or config.get("hidden_size"), hidden),
+              ("head's hidden size", config.get("hidden_size"), hidden), ("vocabulary", config.get("vocab_size"), vocab),
+              ("head dimension (rotary)", config.get("head_dim", head_dim), head_dim))
+    for name, theirs, ours in checks:
+        if theirs != ours:
+            raise HarnessError(f"{path} was made for a {name} of {theirs}, the target has {ours}; pass the head of "
+                               f"this target")
+    theirs, ours = _rope_theta(config), _rope_theta(text)
+    if theirs and ours and float(theirs) != float(ours):
+        raise HarnessError(f"{path} uses rope theta {theirs}, the target {ours}; the head shares the target's rotary "
+                           f"embedding, so pass a head made for this target")
+    features = tuple(config.get("eagle_aux_hidden_state_layer_ids") or default_feature_layers(layers))
+    if len(features) != 3 or not all(0 <= f <= layers for f in features):
+        raise HarnessError(f"{path} reads hidden states {list(features)}; the target has {layers} layers")
+    shape = {k: config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                                    "rms_norm_eps") if k in config}
+    draft = config.get("draft_vocab_size")
+    return EagleConfig(ttt=ttt, num_layers=layers, feature_layers=features, layout="eagle3", shape=shape,
+                       target=target.identity.to_dict() if target.identity else {},
+                       draft_vocab_size=None if draft in (None, vocab) else int(draft))
+
+
+def import_eagle3(folder: Path, target: TargetRuntime, ttt: int = 7, force: bool = False) -> Path:
+    """Convert an EAGLE-3 head folder into the cache entry of (target, eagle3, ttt, eagle3 layout)."""
+    from methods.eagle3 import EagleParams
+    from methods.eagle_head import EagleHead
+
+    folder = Path(folder)
+    config, weights = read_eagle3(folder)
+    head_config = eagle3_config(folder, config, target, ttt)
+    ours: dict[str, torch.Tensor] = {}
+    for key, value in weights.items():
+        if key in EAGLE3_IGNORED:
+            continue
+        if key == "d2t":
+            ours["draft_ids"] = torch.arange(len(value)) + value.to(torch.long)
+            continue
+        renamed = next((mine + key[len(theirs):] for theirs, mine in EAGLE3_RENAMES if key.startswith(theirs)), None)
+        if renamed is None:
+            raise HarnessError(f"unexpected tensor {key!r} in {folder}; an EAGLE-3 head holds fc, midlayer, norm, "
+                               f"lm_head and d2t")
+        ours[renamed] = value
+    draft = ours.get("draft_ids", torch.empty(0, dtype=torch.long))
+    if draft.numel() == target.config.vocab_size and bool((draft == torch.arange(draft.numel())).all()):
+        draft = ours["draft_ids"] = torch.empty(0, dtype=torch.long)  # the identity map: the full vocabulary
+    if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= target.config.vocab_size):
+        raise HarnessError(f"{folder} d2t maps draft ids outside the target's vocabulary")
+    ours.setdefault("draft_ids", draft)
+    head = EagleHead(head_config, target, draft_ids=draft if draft.numel() else None)
+    try:
+        head.load_state_dict(ours)
+    except RuntimeError as exc:
+        raise HarnessError(f"{folder} does not fit an EAGLE-3 head for this target "
+                           f"({' '.join(str(exc).split())[:300]})") from None
+    return _save_imported(head, "eagle3", EagleParams(ttt=ttt, layout="eagle3").tag,
+                          {"eagle": head_config.to_dict()}, target, folder, force, {"format": "EAGLE-3 folder"})
+
+
+def export_eagle3(checkpoint: Path, out: Path, text_config) -> Path:
+    """A harness EAGLE-3 head of the eagle3 layout as the authors' folder (config.json + model.safetensors);
+    `text_config` is its target's (vocabulary, rotary embedding, default layer sizes)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from methods.eagle_head import target_shape
+
+    checkpoint = Path(checkpoint)
+    saved = checkpoints.load_config(checkpoint)
+    head = saved.get("eagle")
+    if head is None:
+        raise HarnessError(f"{checkpoint} holds no EAGLE-3 head; pass a folder written by spd-bench train --method eagle3")
+    if head.get("layout", "harness") != "eagle3":
+        raise HarnessError(f"{checkpoint} is a harness-layout head, which EAGLE-3 code cannot load; train one with "
+                           f"--eagle-layout eagle3")
+    weights = checkpoints.load_weights(checkpoint)
+    draft = weights.pop("draft_ids")
+    theirs = {}
+    for key, value in weights.items():
+        renamed = next((t + key[len(m):] for t, m in EAGLE3_RENAMES if key.startswith(m)), None)
+        if renamed is None:
+            raise HarnessError(f"{checkpoint} holds tensor {key!r}, which the EAGLE-3 format has no place for")
+        theirs[renamed] = value.contiguous()
+    rows, vocab = theirs["lm_head.weight"].shape[0], text_config.vocab_size
+    ids = draft if draft.numel() else torch.arange(rows)
+    theirs["d2t"] = ids - torch.arange(rows)  # target id = draft id + d2t[draft id]
+    theirs["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    shape = target_shape(text_config, head.get("shape", {}))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": text_config.hidden_size, "target_hidden_size": text_config.hidden_size,
+              "num_hidden_layers": 1, **shape, "rope_theta": _rope_theta(text_config),
+              "max_position_embeddings": getattr(text_config, "max_position_embeddings", None),
+              "vocab_size": vocab, "draft_vocab_size": rows, "hidden_act": "silu", "tie_word_embeddings": False,
+              "eagle_aux_hidden_state_layer_ids": list(head["feature_layers"]),
+              "spd_bench": {"target": saved.get("target", {}), "ttt": head["ttt"]}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    save_file(theirs, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _save_imported(module, method: str, tag: str, section: dict, target: TargetRuntime, source: Path,
+                   force: bool, about: dict) -> Path:
+    """Write an imported drafter to the cache with where it came from; never silently over another drafter."""
+    identity = target.identity.to_dict() if target.identity else {}
+    folder = checkpoints.drafter_dir(target.identity, method, tag)
+    digest = _sha256(source) if source.is_file() else _folder_sha256(source)
+    if (folder / checkpoints.CONFIG).exists() and not force:
+        if checkpoints.load_config(folder).get("source", {}).get("sha256") != digest:
+            raise HarnessError(f"{folder} already holds a drafter; pass --force to replace it with {source.name}")
+    checkpoints.save(folder, module, {**section, "target": identity, "method": method,
+                                      "source": {"file": source.name, "sha256": digest, **about}})
+    return folder
+
+
+def _folder_sha256(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest.update(path.name.encode())
+        digest.update(_sha256(path).encode())
     return digest.hexdigest()

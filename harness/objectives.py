@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from methods.base import Generation
+from methods.eagle3 import EagleParams
 from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
 from methods.eagle_replay import chain_accepts, replay_rounds
 from methods.grouped_layout import grouped_logits
@@ -101,17 +102,18 @@ class EagleSpec:
     """An EAGLE-3 head trained with `ttt` training-time-test steps."""
 
     ttt: int
+    layout: str = "harness"
     method = "eagle3"
     group_name = "step"
     config_name = "eagle"
 
     @property
     def tag(self) -> str:
-        return f"ttt{self.ttt}"
+        return EagleParams(ttt=self.ttt, layout=self.layout).tag
 
     @property
     def params(self) -> dict:
-        return {"ttt": self.ttt}
+        return {"ttt": self.ttt} if self.layout == "harness" else {"ttt": self.ttt, "layout": self.layout}
 
     @property
     def groups(self) -> int:
@@ -119,7 +121,7 @@ class EagleSpec:
 
     def build(self, target, draft_ids) -> EagleHead:
         config = EagleConfig(ttt=self.ttt, num_layers=target.num_layers, target=target.identity.to_dict(),
-                             draft_vocab_size=None if draft_ids is None else len(draft_ids))
+                             draft_vocab_size=None if draft_ids is None else len(draft_ids), layout=self.layout)
         return EagleHead(config, target, draft_ids)
 
     def initialise(self, module: EagleHead, target, init: str) -> EagleHead:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -155,8 +156,19 @@ def drafter_fingerprint(config: RunConfig, identity) -> str | None:
 
 
 def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
-    """`--checkpoint FILE` (not a folder): a reference speculation head, converted into the cache and used from there."""
-    if not config.checkpoint or not Path(config.checkpoint).is_file():
+    """`--checkpoint` naming a published head (a reference SPD `.pt` file, an EAGLE-3 folder): converted into the
+    cache and used from there."""
+    if not config.checkpoint:
+        return
+    path = Path(config.checkpoint)
+    if config.method == "eagle3" and _eagle3_folder(path):
+        from harness.interop import import_eagle3
+
+        target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+        config.checkpoint = str(import_eagle3(path, target, ttt=config.params["ttt"]))
+        config.params["layout"] = "eagle3"
+        return
+    if not path.is_file():
         return
     if config.method != "spd":
         raise HarnessError(f"{config.checkpoint} is a file: only reference SPD heads (.pt) are read that way; "
@@ -169,6 +181,14 @@ def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
         raise HarnessError(f"{config.checkpoint} is a head for n={saved['n']}, Ls={saved['ls']}; pass --n {saved['n']} "
                            f"--ls {saved['ls']}")
     config.checkpoint = str(folder)
+
+
+def _eagle3_folder(path: Path) -> bool:
+    """A folder in the EAGLE-3 authors' format (its config names an Eagle3 architecture; ours never does)."""
+    try:
+        return any("Eagle3" in a for a in json.loads((path / "config.json").read_text()).get("architectures", []))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def sample_seed(seed: int, sample: Sample) -> int:

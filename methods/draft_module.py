@@ -68,7 +68,7 @@ class DraftModule(nn.Module):
         the module's input passed straight to the head (for an SPD drafter, an early exit from its deepest
         feature) instead of from random layers."""
         with torch.no_grad():
-            for name, module in self.layers.named_modules():
+            for name, module in self.named_modules():
                 if name.endswith(("o_proj", "down_proj")) and isinstance(module, nn.Linear):
                     module.weight.zero_()
         return self

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from harness import checkpoints
+from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import Generation, Method, Timer, commit, register, require_tree_attention
-from methods.eagle_head import EagleConfig, EagleHead
+from methods.eagle_head import LAYOUTS, EagleConfig, EagleHead
 from methods.eagle_replay import chain_accepts, replay_rounds, trajectory_verifier
 from methods.sampling import Sampler
 from methods.teacher import Teacher
@@ -24,19 +25,24 @@ class EagleParams:
     m: int = 7  # draft depth per round
     width: int = 1  # 1: a chain; W: the W best branches per depth by cumulative draft log-probability
     ttt: int = 7  # which trained head: the training-time-test depth it was trained with
+    layout: str = "harness"  # which kind of head: the harness's own or the EAGLE-3 authors' layer (eagle_head.py)
 
     def __post_init__(self):
         if min(self.m, self.width, self.ttt) < 1:
             raise ValueError(f"m, width and ttt must be >= 1, got m={self.m}, width={self.width}, ttt={self.ttt}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     @property
     def tag(self) -> str:
-        return f"ttt{self.ttt}"
+        return f"ttt{self.ttt}" + ("" if self.layout == "harness" else f"-{self.layout}")
 
 
 def load_head(target: TargetRuntime, params: EagleParams, checkpoint: str | None) -> EagleHead:
     folder, saved = checkpoints.locate(target.identity, "eagle3", *EAGLE3.drafter(params), checkpoint)
     config = checkpoints.config_section(folder, saved, "eagle", EagleConfig, "an EAGLE-3 head")
+    if config.layout != params.layout:
+        raise HarnessError(f"{folder} holds a {config.layout}-layout EAGLE-3 head; pass --param layout={config.layout}")
     weights = checkpoints.load_weights(folder)
     head = EagleHead(config, target, draft_ids=weights.get("draft_ids"))
     checkpoints.load_into(head, weights, folder)
@@ -105,7 +111,8 @@ class EAGLE3(Method):
 
     @classmethod
     def drafter(cls, params: EagleParams) -> tuple[str, str]:
-        return params.tag, f"spd-bench train --method eagle3 --m {params.ttt}"
+        layout = "" if params.layout == "harness" else f" --eagle-layout {params.layout}"
+        return params.tag, f"spd-bench train --method eagle3 --m {params.ttt}{layout}"
 
     def __init__(self, target, params: EagleParams, stop_ids, checkpoint=None, head: EagleHead | None = None):
         super().__init__(target, params, stop_ids, checkpoint)

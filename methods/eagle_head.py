@@ -23,6 +23,9 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return min(2, num_layers), max(1, num_layers // 2), max(1, num_layers - 3)
 
 
+LAYOUTS = ("harness", "eagle3")
+
+
 @dataclass
 class EagleConfig:
     ttt: int = 7  # training-time-test steps the head was trained to draft from its own states
@@ -30,10 +33,17 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()
     target: dict = field(default_factory=dict)  # name + weights_sha256 of the target it was trained for
     draft_vocab_size: int | None = None
+    # harness: combine(cat(embedding, feature)) into one decoder layer of the target's class, the target's final
+    # norm. eagle3: the EAGLE-3 authors' layer (its q/k/v read cat(norm(embedding), norm(feature)), the feature is
+    # the residual) and a norm of its own, so heads load from and export to their folder format.
+    layout: str = "harness"
+    shape: dict = field(default_factory=dict)  # eagle3: heads, kv heads, head_dim, intermediate size, eps
 
     def __post_init__(self):
         if self.ttt < 1:
             raise ValueError(f"ttt steps must be >= 1, got {self.ttt}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EAGLE-3 head layout must be one of {LAYOUTS}, got {self.layout!r}")
         self.feature_layers = tuple(self.feature_layers) or default_feature_layers(self.num_layers)
         if len(self.feature_layers) != 3:
             raise ValueError(f"EAGLE-3 fuses three target layers, got {self.feature_layers}")
@@ -46,19 +56,30 @@ class EagleConfig:
 
 
 class EagleHead(DraftModule):
-    """fuse(low, mid, high) -> combine with the token embedding -> one decoder layer -> target norm -> head."""
+    """fuse(low, mid, high) -> with the token embedding through one layer -> norm -> head (layout: see EagleConfig)."""
 
     def __init__(self, config: EagleConfig, target: TargetRuntime, draft_ids: torch.Tensor | None = None):
-        super().__init__(target, 1, draft_ids)
+        eagle3 = config.layout == "eagle3"
+        super().__init__(target, 0 if eagle3 else 1, draft_ids)
         self.config = config
         hidden = target.config.hidden_size
         self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
-        self.combine = nn.Linear(2 * hidden, hidden, bias=False)
         with torch.no_grad():  # start as "the high feature plus the embedding": training refines it
             self.fuse.weight.zero_()
             self.fuse.weight[:, 2 * hidden:].copy_(torch.eye(hidden))
-            self.combine.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
+        if eagle3:
+            self.midlayer = Eagle3Layer(hidden, target_shape(target.config, config.shape))
+            self.norm = RMSNorm(hidden, self.midlayer.eps)
+        else:
+            self.combine = nn.Linear(2 * hidden, hidden, bias=False)
+            with torch.no_grad():
+                self.combine.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
         self.to(device=target.device, dtype=target.dtype)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.layout == "eagle3":
+            return self.head(self.norm(x)).float()
+        return super().head_logits(x)
 
     def fused(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
         """Target features {layer: [..., D]} -> the head's feature input [..., D]."""
@@ -67,8 +88,90 @@ class EagleHead(DraftModule):
     def rows(self, token_embeddings: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None, cache) -> torch.Tensor:
         """Head rows [B, R, D] (embedding, feature) at `positions`; returns their output states (pre-norm)."""
-        x = torch.cat([token_embeddings.to(feature.dtype), feature], dim=-1)  # the embedding table is the target's
-        return self.decode(self.combine(x), positions, mask, cache)
+        embeddings = token_embeddings.to(feature.dtype)  # the embedding table is the target's
+        if self.config.layout == "eagle3":
+            return self.midlayer(embeddings, feature, self._frozen[1](feature, positions[None]), mask, cache)
+        return self.decode(self.combine(torch.cat([embeddings, feature], dim=-1)), positions, mask, cache)
+
+
+def target_shape(target_config, shape: dict) -> dict:
+    """The EAGLE-3 layer's sizes: `shape` where given, else the target's."""
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    defaults = {"num_attention_heads": target_config.num_attention_heads,
+                "num_key_value_heads": target_config.num_key_value_heads, "head_dim": head_dim,
+                "intermediate_size": target_config.intermediate_size,
+                "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6)}
+    return {**defaults, **shape}
+
+
+class RMSNorm(nn.Module):
+    """Plain (Llama) RMSNorm: x / rms(x) * w, computed in float32."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+
+
+class Eagle3Attention(nn.Module):
+    """Attention whose queries, keys and values read the 2H-wide cat(norm(embedding), norm(feature)) rows."""
+
+    def __init__(self, hidden: int, shape: dict):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], \
+            shape["head_dim"]
+        self.q_proj = nn.Linear(2 * hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+        batch, rows, _ = x.shape
+        q, k, v = (proj(x).view(batch, rows, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        k, v = cache.update(k, v, 0)
+        groups = self.heads // self.kv_heads
+        out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups),
+                                                               attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 authors' decoder layer (their "midlayer"); parameter names are theirs, so weights map 1:1."""
+
+    def __init__(self, hidden: int, shape: dict):
+        super().__init__()
+        self.eps = shape["rms_norm_eps"]
+        self.hidden_norm = RMSNorm(hidden, self.eps)
+        self.input_layernorm = RMSNorm(hidden, self.eps)
+        self.post_attention_layernorm = RMSNorm(hidden, self.eps)
+        self.self_attn = Eagle3Attention(hidden, shape)
+        self.mlp = Eagle3MLP(hidden, shape["intermediate_size"])
+
+    def forward(self, embeddings: torch.Tensor, feature: torch.Tensor, rope, mask: torch.Tensor | None, cache
+                ) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(feature)], dim=-1)
+        h = feature + self.self_attn(x, rope, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class ConcatCache:

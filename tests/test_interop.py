@@ -182,3 +182,177 @@ def test_run_takes_a_head_file_as_checkpoint(tiny_dir, eval_dir, tmp_path, monke
     assert row["lossless"]["identical"]
     wrong = CliRunner().invoke(main, [*args[:4], "4", *args[5:]])
     assert wrong.exit_code == 2 and "is a head for n=2" in wrong.output
+
+
+# --- EAGLE-3 heads ------------------------------------------------------------------------------------------------
+def _eagle3_folder(model, folder, draft_ids=None, seed=0, binary=False):
+    """A random EAGLE-3 head folder with the format's key names, shapes and config fields."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    c = model.config
+    hidden, heads, kv, hd, inter = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, 96
+    rows = c.vocab_size if draft_ids is None else len(draft_ids)
+    ids = torch.arange(rows) if draft_ids is None else torch.tensor(draft_ids)
+
+    def rand(*shape):
+        return torch.randn(*shape) / shape[-1] ** 0.5
+
+    weights = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": 1 + 0.1 * torch.randn(hidden),
+               "lm_head.weight": rand(rows, hidden), "d2t": ids - torch.arange(rows),
+               "t2d": torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, ids, True),
+               "midlayer.self_attn.q_proj.weight": rand(heads * hd, 2 * hidden),
+               "midlayer.self_attn.k_proj.weight": rand(kv * hd, 2 * hidden),
+               "midlayer.self_attn.v_proj.weight": rand(kv * hd, 2 * hidden),
+               "midlayer.self_attn.o_proj.weight": rand(hidden, heads * hd),
+               "midlayer.mlp.gate_proj.weight": rand(inter, hidden), "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+               "midlayer.mlp.down_proj.weight": rand(hidden, inter)}
+    for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        weights[f"midlayer.{norm}.weight"] = 1 + 0.1 * torch.randn(hidden)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "intermediate_size": inter,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
+              "vocab_size": c.vocab_size, "draft_vocab_size": rows, "eagle_aux_hidden_state_layer_ids": [1, 4, 5]}
+    folder.mkdir(parents=True, exist_ok=True)
+    if binary:
+        torch.save(weights, folder / "pytorch_model.bin")
+    else:
+        save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return config, weights
+
+
+def _eagle3_reference(model, weights, embeddings, fused_input):
+    """The format, independently: fused = fc(cat(low, mid, high)); row = cat(rms(emb) * w_in, rms(fused) * w_hid);
+    h = fused + o(attn(q, k, v; rope, causal)); h += down(silu(gate(n(h))) * up(n(h))); logits = lm_head(rms(h) * w)
+    on draft ids, target id = draft id + d2t."""
+    w = {k: v.float() for k, v in weights.items()}
+    c = model.config
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    fused = fused_input @ w["fc.weight"].T
+    x = torch.cat([rms(embeddings, w["midlayer.input_layernorm.weight"]),
+                   rms(fused, w["midlayer.hidden_norm.weight"])], dim=-1)
+    size, hd = x.shape[0], c.head_dim
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(size, -1, hd).transpose(0, 1)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(size, -1, hd).transpose(0, 1)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(size, -1, hd).transpose(0, 1)
+    cos, sin = model.model.rotary_emb(x[None], torch.arange(size)[None])
+
+    def rotate(t):
+        half = t.shape[-1] // 2
+        return t * cos[0] + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin[0]
+
+    q, k = rotate(q), rotate(k)
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    scores = (q @ k.transpose(1, 2)) / hd ** 0.5 + torch.triu(torch.full((size, size), float("-inf")), 1)
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(size, -1)
+    h = fused + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    n = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    h = h + (torch.nn.functional.silu(n @ w["midlayer.mlp.gate_proj.weight"].T) * (n @ w["midlayer.mlp.up_proj.weight"].T)
+             ) @ w["midlayer.mlp.down_proj.weight"].T
+    logits = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
+    full = torch.full((size, c.vocab_size), float("-inf"))
+    full[:, torch.arange(len(w["d2t"])) + weights["d2t"]] = logits
+    return full
+
+
+@pytest.mark.parametrize("arch, draft, binary", [("llama", None, False), ("qwen3", [2, 5, 9, 30, 77, 201], True)])
+def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_trips(tmp_path, monkeypatch, arch, draft,
+                                                                                 binary):
+    from methods.eagle3 import EAGLE3, EagleParams
+    from methods.eagle_head import ConcatCache
+    from harness.interop import export_eagle3, import_eagle3
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    model, target = _target(arch)
+    _, weights = _eagle3_folder(model, tmp_path / "theirs", draft, binary=binary)
+    folder = import_eagle3(tmp_path / "theirs", target, ttt=7)
+    method = EAGLE3(target, EagleParams(m=3, ttt=7, layout="eagle3"), set(), checkpoint=str(folder))
+    head = method.head
+
+    torch.manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (6,))
+    features = {layer: torch.randn(1, 6, model.config.hidden_size) for layer in (1, 4, 5)}
+    positions = torch.arange(6)
+    with torch.inference_mode():
+        out = head.rows(head.embed(ids[None]), head.fused(features), positions,
+                        torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None], ConcatCache())
+        ours = head.full_vocab(head.head_logits(out))[0]
+        theirs = _eagle3_reference(model, weights, head.embed(ids[None])[0],
+                                   torch.cat([features[1], features[4], features[5]], dim=-1)[0])
+    finite = torch.isfinite(theirs)
+    assert torch.equal(torch.isfinite(ours), finite)
+    assert torch.allclose(ours[finite], theirs[finite], atol=1e-4, rtol=1e-4)
+
+    ar = build_method("autoregressive", target, {}, set())
+    for prompt in ([7], list(range(10, 21))):
+        reference = ar.generate(prompt, 20, Sampler(SamplingConfig())).output_ids
+        assert method.generate(prompt, 20, Sampler(SamplingConfig())).output_ids == reference
+
+    exported = export_eagle3(folder, tmp_path / "ours", model.config)
+    again = json.loads((exported / "config.json").read_text())
+    assert again["architectures"] == ["LlamaForCausalLMEagle3"] and again["eagle_aux_hidden_state_layer_ids"] == [1, 4, 5]
+    from safetensors.torch import load_file
+
+    round_trip = load_file(str(exported / "model.safetensors"))
+    assert set(round_trip) == set(weights)
+    assert all(torch.equal(round_trip[k].to(weights[k].dtype), weights[k]) for k in weights)
+
+
+def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
+    from harness.interop import import_eagle3
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    model, target = _target("llama")
+    config, _ = _eagle3_folder(model, tmp_path / "head")
+    for change, message in ((dict(architectures=["LlamaForCausalLM"]), "is not an EAGLE-3 head"),
+                            (dict(hidden_size=32), "hidden size of 32"),
+                            (dict(rope_theta=1.0), "rope theta 1.0"),
+                            (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]), "reads hidden states")):
+        (tmp_path / "head" / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(HarnessError, match=message):
+            import_eagle3(tmp_path / "head", target)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_harness_layout_head_is_not_exported_and_eagle3_layout_heads_train(tmp_path):
+    from harness import checkpoints
+    from harness.interop import export_eagle3
+    from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
+
+    model, target = _target("llama")
+    checkpoints.save(tmp_path / "harness", EagleHead(EagleConfig(num_layers=8), target), {"eagle": {"layout": "harness"}})
+    with pytest.raises(HarnessError, match="harness-layout head, which EAGLE-3 code cannot load"):
+        export_eagle3(tmp_path / "harness", tmp_path / "out", model.config)
+    with torch.inference_mode(False), torch.enable_grad():  # as inside harness.train.train
+        head = EagleHead(EagleConfig(num_layers=8, layout="eagle3"), target).start_as_identity()
+        features = {layer: torch.randn(2, 12, model.config.hidden_size) for layer in head.config.feature_layers}
+        steps = ttt_logits(head, features, torch.randint(0, 256, (2, 12)), 3)
+        sum(s.float().logsumexp(-1).mean() for s in steps).backward()
+    assert len(steps) == 3 and head.midlayer.self_attn.q_proj.weight.grad is not None
+    assert float(head.midlayer.mlp.down_proj.weight.abs().sum()) == 0.0  # the identity start zeroes residual branches
+
+
+def test_eagle3_folders_through_the_cli_import_run_and_export(tiny_dir, eval_dir, tmp_path, monkeypatch):  # noqa: F811
+    from harness.models import load_model
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    model = load_model(str(tiny_dir), "cpu", "float32").model
+    config, _ = _eagle3_folder(model, tmp_path / "head", draft_ids=list(range(0, 49152, 7)))
+    (tmp_path / "head" / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    run = ["run", "--method", "eagle3", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1",
+           "--max-new-tokens", "8", "--data-dir", str(eval_dir)]
+    direct = CliRunner().invoke(main, [*run, "--checkpoint", str(tmp_path / "head"), "--out", str(tmp_path / "a.jsonl")])
+    assert direct.exit_code == 0, direct.output
+    imported = CliRunner().invoke(main, ["import", "--eagle3", str(tmp_path / "head"), "--model", str(tiny_dir)])
+    assert imported.exit_code == 0 and "eagle3-ttt7-eagle3" in imported.output  # the same file again: no --force
+    cached = CliRunner().invoke(main, [*run, "--param", "layout=eagle3", "--out", str(tmp_path / "b.jsonl")])
+    assert cached.exit_code == 0, cached.output
+    rows = [json.loads(line) for name in ("a", "b") for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    assert all(r["lossless"]["identical"] and r["params"]["layout"] == "eagle3" for r in rows)
+    exported = CliRunner().invoke(main, ["export-head", "--model", str(tiny_dir), "--out", str(tmp_path / "out")])
+    assert exported.exit_code == 0, exported.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_vocab_size"] == len(range(0, 49152, 7))
