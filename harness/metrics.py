@@ -2,10 +2,10 @@
 
 Definitions (one for every method): tokens/step (the prefill token excluded) is tau for draft-then-verify methods
 (tokens per target forward, bonus included) and alpha for pipeline methods; L'acc = alpha * L / largest stage;
-theoretical speedup: input schedule alpha*L/max(largest, Ls), output schedule and PPSD alpha*L/(largest + Ls),
-EAGLE-3 tau*L/(Ls*m + L) (the reference's own definition for pipeline runs, n * N / S per sample and averaged,
-is reported beside it); the modeled multi-device speedup puts measured component times in those
-formulas; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the same prompts.
+the theoretical and modeled multi-device speedups are each family's own formulas (its method class: SPD/PPSD in
+methods/spd.py, EAGLE-3 in methods/eagle3.py), the reference's definition for pipeline runs (n * N / S per sample,
+averaged) is reported beside them; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the
+same prompts.
 """
 
 from __future__ import annotations
@@ -125,20 +125,15 @@ class Summary:
         return self.tokens_per_step * self.pipeline["num_layers"] / self.pipeline["largest_stage"]
 
     @property
+    def family(self):
+        """The method's class: it owns its speedup formulas (methods/*.py); None for a method not installed here."""
+        from methods.base import REGISTRY
+
+        return REGISTRY.get(self.method)
+
+    @property
     def theoretical_speedup(self) -> float | None:
-        if self.method == "autoregressive":
-            return 1.0
-        if self.tokens_per_step is None:
-            return None
-        if self.draft is not None:
-            shape = self.draft
-            return self.tokens_per_step * shape["num_layers"] / (shape["ls"] * shape["m"] + shape["num_layers"])
-        if self.pipeline is None:
-            return None
-        shape = self.pipeline
-        largest, ls, layers = shape["largest_stage"], shape["ls"], shape["num_layers"]
-        cycle = max(largest, ls) if shape["schedule"] == "input" else largest + ls
-        return self.tokens_per_step * layers / cycle
+        return None if self.family is None else self.family.theoretical_speedup(self)
 
     @property
     def reference_theoretical(self) -> float | None:
@@ -148,21 +143,14 @@ class Summary:
 
     @property
     def modeled_speedup(self) -> float | None:
-        """The theoretical formula with measured times: one device per stage plus one for the drafter."""
-        if self.method == "autoregressive":
-            return 1.0
-        counts, shape = self.counts, self.pipeline
-        if (shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]
-                or not self.timing.get("stages")):  # simulated runs have no timings
-            return None
-        # Distributed runs time the stages on their ranks; "stages" there is the driver's wait, transfers included.
-        stage_seconds = sum(self.stage_forward) if self.executor == "distributed" else self.timing["stages"]
-        per_layer = stage_seconds / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
-        drafter = self.timing["drafter"] / counts["drafter_calls"]
-        head = self.timing["verify_head"] / counts["verifications"]
-        stage = shape["largest_stage"] * per_layer
-        cycle = (max(stage, drafter) if shape["schedule"] == "input" else stage + drafter) + head
-        return self.tokens_per_step * (shape["num_layers"] * per_layer + head) / cycle
+        """The theoretical formula with measured component times (the family's; simulated runs have no times)."""
+        return None if self.family is None else self.family.modeled_speedup(self)
+
+    @property
+    def stage_seconds(self) -> float:
+        """Pipeline runs: seconds of stage compute; distributed runs time it on the ranks, where the driver's
+        "stages" is its wait, transfers included."""
+        return sum(self.stage_forward) if self.executor == "distributed" else self.timing.get("stages", 0.0)
 
     @property
     def cycle_breakdown(self) -> dict[str, float] | None:

@@ -12,6 +12,14 @@ from methods.sampling import Sampler
 class Autoregressive(Method):
     name = "autoregressive"
 
+    @classmethod
+    def theoretical_speedup(cls, summary) -> float:
+        return 1.0  # the baseline every speedup is relative to
+
+    @classmethod
+    def modeled_speedup(cls, summary) -> float:
+        return 1.0
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         target = self.target
         target.reset()

@@ -52,10 +52,20 @@ class NoParams:
 
 
 class Method(ABC):
-    """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass) and implement `generate`."""
+    """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass) and implement `generate`; a family
+    with its own speedup model overrides `theoretical_speedup` and `modeled_speedup` (they read a pooled summary:
+    harness/metrics.py's `Summary`, with tokens/step, the shape its generations recorded, counts and timings)."""
 
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
+
+    @classmethod
+    def theoretical_speedup(cls, summary) -> float | None:
+        return None
+
+    @classmethod
+    def modeled_speedup(cls, summary) -> float | None:
+        return None
 
     def __init__(self, target: TargetRuntime, params, stop_ids: set[int], checkpoint: str | None = None):
         self.target = target

@@ -110,6 +110,14 @@ class EAGLE3(Method):
     Params = EagleParams
 
     @classmethod
+    def theoretical_speedup(cls, summary) -> float | None:
+        """tau * L / (Ls * m + L): a round drafts m tokens through the head's Ls layers, then one target forward."""
+        shape = summary.draft
+        if shape is None or summary.tokens_per_step is None:
+            return None
+        return summary.tokens_per_step * shape["num_layers"] / (shape["ls"] * shape["m"] + shape["num_layers"])
+
+    @classmethod
     def drafter(cls, params: EagleParams) -> tuple[str, str]:
         layout = "" if params.layout == "harness" else f" --eagle-layout {params.layout}"
         return params.tag, f"spd-bench train --method eagle3 --m {params.ttt}{layout}"

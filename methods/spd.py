@@ -60,6 +60,31 @@ class SPD(Method):
         return pipeline_drafter(cls.name, params)
 
     @classmethod
+    def theoretical_speedup(cls, summary) -> float | None:
+        """alpha * L / cycle: the input schedule drafts during the step (cycle max(largest stage, Ls) layers), the
+        output schedule and PPSD after it (largest stage + Ls)."""
+        shape = summary.pipeline
+        if shape is None or summary.tokens_per_step is None:
+            return None
+        largest, ls = shape["largest_stage"], shape["ls"]
+        cycle = max(largest, ls) if shape["schedule"] == "input" else largest + ls
+        return summary.tokens_per_step * shape["num_layers"] / cycle
+
+    @classmethod
+    def modeled_speedup(cls, summary) -> float | None:
+        """The same with measured times: one device per stage plus one for the drafter and verification head."""
+        counts, shape = summary.counts, summary.pipeline
+        if (shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]
+                or not summary.stage_seconds):  # simulated runs have no timings
+            return None
+        per_layer = summary.stage_seconds / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
+        drafter = summary.timing["drafter"] / counts["drafter_calls"]
+        head = summary.timing["verify_head"] / counts["verifications"]
+        stage = shape["largest_stage"] * per_layer
+        cycle = (max(stage, drafter) if shape["schedule"] == "input" else stage + drafter) + head
+        return summary.tokens_per_step * (shape["num_layers"] * per_layer + head) / cycle
+
+    @classmethod
     def check_model(cls, params: PipelineParams, num_layers: int) -> None:
         if params.n > num_layers:
             raise ValueError(f"--n {params.n} is outside 1..{num_layers}: the target has {num_layers} layers")
