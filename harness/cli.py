@@ -301,7 +301,7 @@ def export_head(model, ttt, checkpoint, out):
 
     tag = EagleParams(ttt=ttt, layout="eagle3").tag
     folder, _ = checkpoints.locate(load_identity(model), "eagle3", tag,
-                                   f"spd-bench train --method eagle3 --m {ttt} --eagle-layout eagle3", checkpoint)
+                                   f"spd-bench train --method eagle3 --ttt {ttt} --eagle-layout eagle3", checkpoint)
     text = AutoConfig.from_pretrained(resolve_model_dir(model)[1]).get_text_config()
     click.echo(f"EAGLE-3 head: {export_eagle3(folder, out, text)}")
 
@@ -452,7 +452,7 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @click.option("--method", "methods", default="spd,ppsd,eagle3", show_default=True, help="Comma list of drafter kinds.")
 @click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list).")
 @click.option("--ls", "ls_values", default=None, help="Drafter decoder layers (default: spd 4, ppsd 1).")
-@click.option("--m", "m_values", default="7", show_default=True, help="EAGLE-3 training-time-test steps.")
+@click.option("--ttt", "ttt_values", default="7", show_default=True, help="EAGLE-3 training-time-test steps.")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
@@ -461,12 +461,12 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @device_option
 @dtype_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
-def bench_train_command(methods, n_values, ls_values, m_values, seq_len, batch_size, steps, model, device, dtype, out):
+def bench_train_command(methods, n_values, ls_values, ttt_values, seq_len, batch_size, steps, model, device, dtype, out):
     """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches."""
     from harness import bench_train
     from harness.train import TrainConfig
 
-    specs = _drafter_specs(methods, n_values, ls_values, None, m_values)
+    specs = _drafter_specs(methods, n_values, ls_values, None, ttt_values)
     config = TrainConfig(drafters=specs, model=model, seq_len=seq_len, batch_size=batch_size, device=device,
                          dtype=dtype, val_prompts=0)
     results = bench_train.bench_train(config, steps)
@@ -475,34 +475,24 @@ def bench_train_command(methods, n_values, ls_values, m_values, seq_len, batch_s
     click.echo(f"records: {out}")
 
 
-POLICIES = {"spd": "multi_depth", "ppsd": "first_stage"}
-DEFAULT_SCHEDULE = {"spd": "input", "ppsd": "output"}
-DEFAULT_LS = {"spd": "4", "ppsd": "1"}
-TRAINABLE = (*POLICIES, "eagle3")
-
-
-def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, m_values: str,
+def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, ttt_values: str,
                    eagle_layout: str = "harness") -> list:
-    """Every drafter a train command asks for: pipeline drafters over n x Ls x schedule, EAGLE-3 heads over m."""
-    from harness.objectives import EagleSpec, PipelineSpec
+    """Every drafter a train command asks for; each family turns the listed values into its drafters."""
+    from methods.base import REGISTRY
 
+    trainable = sorted(name for name, cls in REGISTRY.items() if cls.trainable)
+    values = {"n": _values(n_values), "ls": _values(ls_values), "schedule": _values(schedules, str),
+              "ttt": _values(ttt_values), "layout": [eagle_layout]}
+    if any(v < 1 for key in ("n", "ls", "ttt") for v in values[key]):
+        raise click.BadParameter("--n, --ls and --ttt must be positive")
     specs = []
-    for method in [m.strip() for m in methods.split(",") if m.strip()]:
-        if method not in TRAINABLE:
-            raise click.BadParameter(f"--method must list {', '.join(TRAINABLE)}, got {method!r}")
-        if method == "eagle3":
-            specs += [EagleSpec(m, eagle_layout) for m in _values(m_values)]
-            continue
-        schedule_list = [s.strip() for s in (schedules or DEFAULT_SCHEDULE[method]).split(",") if s.strip()]
-        if any(s not in ("input", "output") for s in schedule_list) or not schedule_list or (
-                method == "ppsd" and "output" not in schedule_list):
-            raise click.BadParameter(f"--schedule must list input and/or output (ppsd: output), got {schedules!r}")
-        if method == "ppsd":  # PPSD drafts from output states only; a list with spd's schedules still trains it
-            schedule_list = ["output"]
-        specs += [PipelineSpec(method, n, ls, s, POLICIES[method]) for n in _values(n_values)
-                  for ls in _values(ls_values or DEFAULT_LS[method]) for s in schedule_list]
-    if any(getattr(s, "n", 1) < 1 or getattr(s, "ls", 1) < 1 or getattr(s, "ttt", 1) < 1 for s in specs):
-        raise click.BadParameter("--n, --ls and --m must be positive")
+    for method in _values(methods, str):
+        if method not in trainable:
+            raise click.BadParameter(f"--method must list {', '.join(trainable)}, got {method!r}")
+        try:
+            specs += REGISTRY[method].training_specs(values)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
     if not specs:
         raise click.BadParameter("--method lists no drafter")
     return specs
@@ -510,13 +500,13 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 
 @main.command()
 @click.option("--method", "methods", default="spd", show_default=True,
-              help=f"Drafter kinds, comma list of {', '.join(TRAINABLE)} (all share the teacher passes).")
+              help="Drafter kinds, comma list of spd, ppsd, eagle3 (all share the teacher passes).")
 @click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list trains several).")
 @click.option("--ls", "ls_values", default=None, help="Drafter decoder layers, comma list (default: spd 4, ppsd 1).")
 @click.option("--schedule", "schedules", default=None,
               help="input, output or both, comma list (default: spd input, ppsd output).")
-@click.option("--m", "m_values", default="7", show_default=True,
-              help="EAGLE-3 training-time-test steps (comma list trains several heads).")
+@click.option("--ttt", "ttt_values", default="7", show_default=True,
+              help="EAGLE-3 training-time-test steps (comma list trains several heads; run them with --param ttt=N).")
 @click.option("--eagle-layout", type=click.Choice(["harness", "eagle3"]), default="harness", show_default=True,
               help="EAGLE-3 heads: the harness's layer, or the EAGLE-3 authors' (exportable with export-head).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
@@ -541,15 +531,15 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @model_option
 @device_option
 @dtype_option
-def train(methods, n_values, ls_values, schedules, m_values, eagle_layout, tokens, seq_len, batch_size, lr, draft_vocab,
+def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, tokens, seq_len, batch_size, lr, draft_vocab,
           save_every, val_prompts, corpus, init, autocast, resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
 
-    specs = _drafter_specs(methods, n_values, ls_values, schedules, m_values, eagle_layout)
+    specs = _drafter_specs(methods, n_values, ls_values, schedules, ttt_values, eagle_layout)
     shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
-                                                ("m", m_values)) if v is not None)
+                                                ("ttt", ttt_values)) if v is not None)
     shape += "" if eagle_layout == "harness" else f" --eagle-layout {eagle_layout}"
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
                          draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, corpus=corpus,

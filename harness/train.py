@@ -23,7 +23,7 @@ from harness.corpus import conversations, encode
 from harness.errors import HarnessError
 from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.models import LoadedModel, load_model
-from harness.objectives import EagleSpec, PipelineSpec
+from methods.objectives import EagleSpec, PipelineSpec
 from harness.regenerate import self_distilled
 from harness.results import ResultStore
 from harness.runner import check_model, stop_ids

@@ -58,6 +58,13 @@ class Method(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
+    trainable: ClassVar[bool] = False  # whether `spd-bench train` builds drafters for it (`training_specs`)
+
+    @classmethod
+    def training_specs(cls, values: dict[str, list]) -> list:
+        """The drafters `spd-bench train` builds for this family from the option values it lists (n, ls, schedule,
+        ttt, layout; an empty list: the family's default); methods/objectives.py says what each trains on."""
+        raise NotImplementedError(f"{cls.name} trains no drafter")
 
     @classmethod
     def theoretical_speedup(cls, summary) -> float | None:

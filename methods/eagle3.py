@@ -108,6 +108,18 @@ def tree_mask(nodes: list[Node], rows: list[int], prefix: int, first_slot: int, 
 class EAGLE3(Method):
     name = "eagle3"
     Params = EagleParams
+    trainable = True
+
+    @classmethod
+    def training_specs(cls, values: dict[str, list]) -> list:
+        """One head per training-time-test depth and layout."""
+        from methods.objectives import EagleSpec
+
+        default = cls.Params()
+        layouts = values.get("layout") or [default.layout]
+        if any(layout not in LAYOUTS for layout in layouts):
+            raise ValueError(f"the EAGLE-3 layout must be one of {', '.join(LAYOUTS)}, got {layouts}")
+        return [EagleSpec(ttt, layout) for ttt in values.get("ttt") or [default.ttt] for layout in layouts]
 
     @classmethod
     def theoretical_speedup(cls, summary) -> float | None:
@@ -120,7 +132,7 @@ class EAGLE3(Method):
     @classmethod
     def drafter(cls, params: EagleParams) -> tuple[str, str]:
         layout = "" if params.layout == "harness" else f" --eagle-layout {params.layout}"
-        return params.tag, f"spd-bench train --method eagle3 --m {params.ttt}{layout}"
+        return params.tag, f"spd-bench train --method eagle3 --ttt {params.ttt}{layout}"
 
     def __init__(self, target, params: EagleParams, stop_ids, checkpoint=None, head: EagleHead | None = None):
         super().__init__(target, params, stop_ids, checkpoint)

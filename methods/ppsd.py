@@ -24,3 +24,11 @@ class PPSD(SPD):
     name = "ppsd"
     Params = PPSDParams
     policy = "first_stage"
+
+    @classmethod
+    def train_schedules(cls, schedules: list[str]) -> list[str]:
+        """PPSD drafts from output states only: a list with SPD's schedules (one train command for both) trains it
+        once, with the output schedule."""
+        if "output" not in schedules:
+            raise ValueError(f"--schedule for ppsd must include output, got {','.join(schedules)!r}")
+        return ["output"]

@@ -12,7 +12,7 @@ from methods.base import Generation, Method, register
 from methods.pipeline import PipelineEngine
 from methods.pipeline_replay import simulate
 from methods.sampling import Sampler
-from methods.speculator import Speculator, SpeculatorConfig
+from methods.speculator import SCHEDULES, Speculator, SpeculatorConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,23 @@ class SPD(Method):
     name = "spd"
     Params = PipelineParams
     policy = "multi_depth"
+    trainable = True
+
+    @classmethod
+    def training_specs(cls, values: dict[str, list]) -> list:
+        """n x Ls x schedule (defaults: the family's parameter defaults)."""
+        from methods.objectives import PipelineSpec
+
+        default = cls.Params()
+        schedules = cls.train_schedules(values.get("schedule") or [default.schedule])
+        return [PipelineSpec(cls.name, n, ls, schedule, cls.policy) for n in values.get("n") or [default.n]
+                for ls in values.get("ls") or [default.ls] for schedule in schedules]
+
+    @classmethod
+    def train_schedules(cls, schedules: list[str]) -> list[str]:
+        if not schedules or any(s not in SCHEDULES for s in schedules):
+            raise ValueError(f"--schedule must list input and/or output, got {','.join(schedules)!r}")
+        return schedules
 
     @classmethod
     def drafter(cls, params: PipelineParams) -> tuple[str, str]:

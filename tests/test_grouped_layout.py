@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_model
 from unrolled_reference import unrolled_logits
 
-from harness.objectives import segment_starts
+from methods.objectives import segment_starts
 from harness.target import TargetRuntime
 from methods.grouped_layout import grouped_logits
 from methods.speculator import Speculator, SpeculatorConfig

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from harness.objectives import segment_starts
+from methods.objectives import segment_starts
 from harness.target import TargetRuntime
 from methods.autoregressive import Autoregressive
 from methods.eagle3 import EAGLE3, EagleParams

@@ -72,7 +72,7 @@ def test_run_without_a_drafter_names_the_train_command(tiny_dir, eval_dir, tmp_p
 
 
 def test_one_teacher_pass_trains_spd_and_eagle3_heads_that_then_decode(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
-    result = CliRunner().invoke(main, ["train", "--method", "ppsd,eagle3", "--n", "2", "--m", "3", "--model",
+    result = CliRunner().invoke(main, ["train", "--method", "ppsd,eagle3", "--n", "2", "--ttt", "3", "--model",
                                        str(tiny_dir), "--seq-len", "32", "--batch-size", "2", "--draft-vocab", "512",
                                        "--tokens", "128"])
     assert result.exit_code == 0, result.output
@@ -142,7 +142,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     import torch
 
     from harness.models import ModelIdentity
-    from harness.objectives import EagleSpec, PipelineSpec
+    from methods.objectives import EagleSpec, PipelineSpec
     from harness.target import TargetRuntime
     from harness.train import teacher
     from tiny_models import tiny_model
@@ -164,7 +164,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
 def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cache):  # noqa: F811
     out = tmp_path / "train.jsonl"
     result = CliRunner().invoke(main, ["bench", "train", "--model", str(tiny_dir), "--method", "spd,eagle3", "--n", "2",
-                                       "--ls", "1", "--m", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "1",
+                                       "--ls", "1", "--ttt", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "1",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -220,7 +220,7 @@ def test_train_on_the_targets_own_replies(tiny_dir, tmp_path, cache):  # noqa: F
     from harness.models import load_model
     from harness.train import TrainConfig, training_chunks
 
-    args = ["train", "--model", str(tiny_dir), "--method", "eagle3", "--m", "1", "--seq-len", "32", "--batch-size",
+    args = ["train", "--model", str(tiny_dir), "--method", "eagle3", "--ttt", "1", "--seq-len", "32", "--batch-size",
             "2", "--draft-vocab", "512", "--val-prompts", "0", "--tokens", "128", "--corpus", "self"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
