@@ -78,10 +78,17 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"{exc}; fix the option") from None
     if config.checkpoint and cls.drafter(params) is None:
         raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
+    if config.simulate and cls.simulate is Method.simulate:
+        raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
+    if config.limit is not None and config.limit < 1:
+        raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
+    if config.max_new_tokens < 1:
+        raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
     validate_executor(config, cls)
 
 
 def validate_executor(config: RunConfig, cls) -> None:
+    """--executor, --devices and --timeout: distributed runs pipeline methods only, one device per stage."""
     if config.executor not in launch.EXECUTORS:
         raise HarnessError(f"--executor must be one of {', '.join(launch.EXECUTORS)}, got {config.executor!r}")
     if config.executor == "local":
@@ -95,12 +102,6 @@ def validate_executor(config: RunConfig, cls) -> None:
     if not config.timeout > 0:
         raise HarnessError(f"--timeout must be a positive number of seconds, got {config.timeout}")
     config.stage_devices  # noqa: B018 - validates --devices against n
-    if config.simulate and cls.simulate is Method.simulate:
-        raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
-    if config.limit is not None and config.limit < 1:
-        raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
-    if config.max_new_tokens < 1:
-        raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
 
 
 def check_model(method: str, params: dict, loaded: LoadedModel) -> None:
