@@ -82,22 +82,8 @@ def test_distributed_pipeline_equals_ar_and_the_local_executor(tmp_path, arch, n
     assert not multiprocessing.active_children()
 
 
-def test_a_dead_stage_rank_ends_the_run_with_one_line_and_no_leftover_process(tmp_path):
-    folder = _saved(tmp_path, "llama")
-    _, remote = _spd(folder, 2, 1)
-    start = time.monotonic()
-    with pytest.raises(HarnessError, match="a stage rank stopped answering"):
-        with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=30) as group:
-            remote.distribute(group, "float32")
-            with torch.inference_mode():
-                remote.generate([1, 2, 3], 8, Sampler(GREEDY))
-                multiprocessing.active_children()[0].kill()
-                remote.generate([1, 2, 3], 8, Sampler(GREEDY))
-    assert time.monotonic() - start < 60
-    assert not multiprocessing.active_children()
-
-
-def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("fault", ["dies", "stops answering"])
+def test_a_failed_stage_rank_ends_the_run_with_one_line_and_no_leftover_process(tmp_path, fault):
     folder = _saved(tmp_path, "llama")
     _, remote = _spd(folder, 2, 1)
     with pytest.raises(HarnessError, match="a stage rank stopped answering"):
@@ -105,11 +91,11 @@ def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
             remote.distribute(group, "float32")
             with torch.inference_mode():
                 remote.generate([1, 2, 3], 8, Sampler(GREEDY))
-                hung = multiprocessing.active_children()[-1]
-                os.kill(hung.pid, signal.SIGSTOP)
+                rank = multiprocessing.active_children()[-1]
+                os.kill(rank.pid, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
                 start = time.monotonic()
                 remote.generate([1, 2, 3], 8, Sampler(GREEDY))
-    assert time.monotonic() - start < 40
+    assert time.monotonic() - start < 40  # within the timeout, however the rank failed
     assert not multiprocessing.active_children()
 
 
