@@ -8,7 +8,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from harness.lossless import ReferenceCache, compare, not_checked
 from harness.models import LoadedModel, check_model_spec, default_dtype, load_model
 from harness.results import Record, ResultStore, config_key
 from harness.target import TargetRuntime
-from methods.base import REGISTRY, Method, build_method, parse_params
+from methods.base import REGISTRY, Method, build_method, parse_params, recorded_params
 from methods.sampling import Sampler, SamplingConfig
 
 REFERENCE_METHOD = "autoregressive"
@@ -72,7 +72,7 @@ def validate(config: RunConfig) -> None:
     cls = REGISTRY[config.method]
     try:
         params = parse_params(cls, config.params)
-        config.params = asdict(params)
+        config.params = recorded_params(params)
         config.sampling()
     except (ValueError, TypeError) as exc:
         raise HarnessError(f"{exc}; fix the option") from None

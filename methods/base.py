@@ -140,6 +140,17 @@ def parse_params(cls: type[Method], raw: dict):
     return cls.Params(**raw)
 
 
+# A parameter added after records were committed carries this metadata: it is recorded only when it differs from its
+# default, so the configuration keys of earlier records (and their resumption and the regression baseline) still hold.
+RECORDED_WHEN_SET = {"recorded": "when-set"}
+
+
+def recorded_params(params) -> dict:
+    """The params as a record stores them (and as they enter the configuration key)."""
+    return {f.name: getattr(params, f.name) for f in fields(params)
+            if f.metadata != RECORDED_WHEN_SET or getattr(params, f.name) != f.default}
+
+
 def build_method(name: str, target: TargetRuntime, raw_params: dict, stop_ids: set[int], checkpoint=None) -> Method:
     if name not in REGISTRY:
         raise KeyError(name)

@@ -5,14 +5,14 @@ the longest accepted path (its KV compacted into place) and adds one bonus token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from harness import checkpoints
 from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
-from methods.base import Generation, Method, Timer, commit, register, require_tree_attention
+from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, commit, register, require_tree_attention
 from methods.eagle_head import LAYOUTS, EagleConfig, EagleHead
 from methods.eagle_replay import chain_accepts, replay_rounds, trajectory_verifier
 from methods.sampling import Sampler
@@ -25,7 +25,8 @@ class EagleParams:
     m: int = 7  # draft depth per round
     width: int = 1  # 1: a chain; W: the W best branches per depth by cumulative draft log-probability
     ttt: int = 7  # which trained head: the training-time-test depth it was trained with
-    layout: str = "harness"  # which kind of head: the harness's own or the EAGLE-3 authors' layer (eagle_head.py)
+    # which kind of head: the harness's own or the EAGLE-3 authors' layer (eagle_head.py)
+    layout: str = field(default="harness", metadata=RECORDED_WHEN_SET)
 
     def __post_init__(self):
         if min(self.m, self.width, self.ttt) < 1:

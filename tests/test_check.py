@@ -74,3 +74,26 @@ def test_an_empty_or_malformed_baseline_is_an_error_not_a_pass(tmp_path, content
     result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(tmp_path)])
     assert result.exit_code == 2 and "pass" not in result.output
     assert result.output.startswith("error: cannot read baseline") and len(result.output.strip().splitlines()) == 1
+
+
+def test_committed_records_keep_their_parameters_and_so_their_configuration_keys():
+    """A parameter added to a method must not change what earlier records (and the gate's baseline) are keyed by."""
+    from pathlib import Path
+
+    from methods.base import REGISTRY, parse_params, recorded_params
+
+    root = Path(__file__).resolve().parents[1]
+    specs = [(e["run"]["method"], e["run"]["params"]) for e in json.loads((root / "tests/baselines/regression.json").read_text())]
+    for path in (root / "results").glob("*/[!t]*.jsonl"):  # every results file but train.jsonl (training specs)
+        specs += [(r["method"], r["params"]) for r in map(json.loads, path.open()) if r.get("method") in REGISTRY]
+    assert specs
+    for method, params in specs:
+        assert recorded_params(parse_params(REGISTRY[method], params)) == params, (method, params)
+
+
+def test_a_parameter_set_away_from_its_default_is_recorded():
+    from methods.base import recorded_params
+    from methods.eagle3 import EagleParams
+
+    assert recorded_params(EagleParams()) == {"m": 7, "width": 1, "ttt": 7}
+    assert recorded_params(EagleParams(layout="eagle3"))["layout"] == "eagle3"
