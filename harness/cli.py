@@ -475,6 +475,49 @@ def bench_train_command(methods, n_values, ls_values, ttt_values, seq_len, batch
     click.echo(f"records: {out}")
 
 
+@bench.command("stage")
+@model_option
+@click.option("--random", "shape", type=click.Choice(["tiny-qwen3.5", "qwen3.5-4b"]), default=None,
+              help="Instead of --model: a randomly initialised Qwen3.5 of these shapes (nothing downloaded).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="With --random: keep only this many layers (one stage of a 4B split fits in CPU memory).")
+@click.option("--n", type=click.IntRange(min=1), default=4, show_default=True, help="Pipeline stages.")
+@click.option("--width", "widths", default="1,4", show_default=True, help="Branches per level (comma list).")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@device_option
+@dtype_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/stage.jsonl"), show_default=True)
+def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, device, dtype, out):
+    """One pipeline stage call on W draft branches against one: time per stage and memory per branch."""
+    import torch
+
+    from harness import bench_stage
+    from harness.models import load_model
+    from harness.selfcheck import build_model
+    from harness.target import TargetRuntime
+
+    if layers is not None and shape is None:
+        raise click.UsageError("--layers trims a --random model; drop it or add --random")
+    widths = _values(widths)
+    if 1 not in widths or min(widths) < 1:
+        raise click.BadParameter("--width must list 1 (the baseline) and positive widths")
+    if shape is None:
+        loaded = load_model(model, device, dtype)
+        net, name = loaded.model, loaded.identity.name
+    else:
+        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        net = build_model("qwen3_5", "tiny" if shape == "tiny-qwen3.5" else "4b", device, torch_dtype, layers=layers)
+        name = f"random-{shape}" + (f"-{layers}-layers" if layers else "")
+    target = TargetRuntime(net, max_len=prompt_len + max(widths) + 8)
+    if n > target.num_layers:
+        raise click.BadParameter(f"--n {n} exceeds the model's {target.num_layers} layers")
+    results = bench_stage.bench_stages(target, name, n, widths, prompt_len, repeats)
+    bench_stage.record(results, out)
+    click.echo(bench_stage.table(results))
+    click.echo(f"records: {out}")
+
+
 def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, ttt_values: str,
                    eagle_layout: str = "harness") -> list:
     """Every drafter a train command asks for; each family turns the listed values into its drafters."""

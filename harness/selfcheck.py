@@ -49,10 +49,13 @@ class Check:
         return self.identical + self.ties == self.samples
 
 
-def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: int = 0,
+                layers: int | None = None) -> torch.nn.Module:
+    """A randomly initialised model of real (or tiny) shapes; `layers` keeps only the first few."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
     sizes = dict(TINY if shape == "tiny" else QWEN3_5_4B if arch == "qwen3_5" else QWEN3_4B)
+    sizes["num_hidden_layers"] = layers or sizes["num_hidden_layers"]
     if arch == "qwen3_5":
         layers = sizes["num_hidden_layers"]
         config = Qwen3_5TextConfig(**sizes, max_position_embeddings=4096,
@@ -88,7 +91,7 @@ def _oracle_class(reference: dict[int, int], hit_rate: float):
 
 
 def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
-    """Every method the harness runs, with random drafters (trees only where attention can take a tree mask)."""
+    """Every method the harness runs, with random drafters, as chains and as width-4 trees."""
     from methods.eagle3 import EAGLE3, EagleParams
     from methods.eagle_head import EagleConfig, EagleHead
     from methods.ppsd import PPSD
@@ -96,7 +99,7 @@ def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     from methods.speculator import Speculator, SpeculatorConfig
 
     found = []
-    widths = (1,) if target.has_linear_layers else (1, 4)
+    widths = (1, 4)
     for cls, schedule in ((SPD, "input"), (SPD, "output"), (PPSD, "output")):
         for width in widths:
             config = SpeculatorConfig(n=4, ls=1, schedule=schedule, policy=cls.policy, num_layers=target.num_layers)

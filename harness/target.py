@@ -2,13 +2,13 @@
 
 It runs any contiguous range of an HF decoder's layers on a set of tokens at explicit positions. Attention layers
 write their keys/values into preallocated, position-indexed buffers, so truncating the sequence costs nothing: the
-next write overwrites the rejected slots. Linear-attention layers (Qwen3.5 Gated DeltaNet) keep a ring of the states
-they held after each call, so the last few updates can be rewound.
+next write overwrites the rejected slots. Linear-attention layers (Qwen3.5 Gated DeltaNet) keep their state after
+each recent token, filed under the token's slot, so the last few updates can be rewound and draft branches (rows of
+a batch, one tree level per call) each continue their parent's state.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -17,45 +17,49 @@ SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
 
 
 @dataclass
-class _LinearState:
-    """Conv and recurrent state of one linear-attention layer after `length` tokens, plus earlier snapshots."""
+class _Row:
+    """A linear-attention layer's conv and recurrent state right after the token at `position` ([1, ...] each)."""
 
-    length: int
-    conv: torch.Tensor | None
-    recurrent: torch.Tensor | None
-    history: deque
+    position: int
+    conv: torch.Tensor
+    recurrent: torch.Tensor
 
-    def restore(self, length: int, layer: int) -> None:
-        if length == 0:
-            self.length, self.conv, self.recurrent = 0, None, None
-            self.history.clear()
-            return
-        while self.history and self.history[-1][0] > length:
-            self.history.pop()
-        if not self.history or self.history[-1][0] != length:
-            raise ValueError(
-                f"linear-attention layer {layer} cannot rewind to length {length}: no snapshot there "
-                f"(rewind window exceeded or a multi-token call spanned it)"
-            )
-        self.length, self.conv, self.recurrent = self.history[-1]
+
+@dataclass
+class _LinearCall:
+    """The rows one linear-attention call continues and writes: the call consumes the tokens from `position` on
+    (one token per row for a tree level), row b continues the state of slot `parents[b]` and its new state is filed
+    under `labels[b]` at `last`, the position of the call's last token."""
+
+    position: int
+    last: int
+    parents: list[int]
+    labels: list[int]
 
 
 class StateCache:
-    """Duck-typed HF cache handed to decoder layers: KV buffers by slot, snapshot rings for linear layers."""
+    """Duck-typed HF cache handed to decoder layers: KV buffers by slot; for linear layers, the state after each
+    recent token, filed under the token's slot.
+
+    A linear layer's state after a token is what its next token needs, so keeping it per token makes both rewind
+    (the state after the last kept token) and branching (a draft branch continues its parent's state, and the
+    siblings of one tree level run as rows of a batch) lookups. States older than `rewind_window` positions behind
+    the newest are dropped; a sibling level's rows are copied apart so a pruned sibling frees its memory.
+    """
 
     def __init__(self, layer_types: list[str], max_len: int, rewind_window: int):
         self.layer_types = layer_types
         self.max_len = max_len
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self.linear = {
-            i: _LinearState(0, None, None, deque(maxlen=rewind_window + 1))
-            for i, kind in enumerate(layer_types)
-            if kind == "linear_attention"
-        }
+        self.rewind_window = rewind_window
+        self.linear: dict[int, dict[int, _Row]] = {i: {} for i, kind in enumerate(layer_types)
+                                                   if kind == "linear_attention"}
         self.write: slice | torch.Tensor = slice(0, 0)
         self.kv_end = 0
-        self._pending_len = 0
+        self._call = _LinearCall(0, -1, [], [])
+        self._conv_in: torch.Tensor | None = None
+        self._conv_out: torch.Tensor | None = None
 
     def begin(self, positions: torch.Tensor, slots: torch.Tensor | None = None,
               mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -65,9 +69,10 @@ class StateCache:
         slots above its own); the default is every slot up to its own (causal). Returns a boolean [1, 1, T, kv_end] mask, or None when a single query may see every slot.
         """
         if slots is None:
-            start = int(positions[0])
-            self.write, self.kv_end, slots = slice(start, start + len(positions)), start + len(positions), positions
-        else:  # linear-attention layers refuse this form: they need contiguous appends
+            start, end = int(positions[0]), int(positions[0]) + len(positions)
+            self.write, self.kv_end, slots = slice(start, end), end, positions
+            self._call = _LinearCall(start, end - 1, [start - 1], [end - 1])
+        else:  # linear layers take a tree level by level (see `branch`)
             self.write = slots
             self.kv_end = mask.shape[-1] if mask is not None else int(slots.max()) + 1
             if int(slots.max()) >= self.kv_end:
@@ -99,50 +104,113 @@ class StateCache:
         return k_buf.narrow(2, 0, self.kv_end), v_buf.narrow(2, 0, self.kv_end)
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
-        """Copy the KV of slots `src` to contiguous slots from `dst_start` (keeps an accepted tree path)."""
+        """Copy the KV of slots `src` to contiguous slots from `dst_start` (keeps an accepted tree path); linear
+        layers file its states under those positions."""
         dst = slice(dst_start, dst_start + len(src))
         for buf in (*self.keys.values(), *self.values.values()):
             buf[:, :, dst] = buf[:, :, src]
+        self.move_linear(src.tolist(), dst_start)
 
     # --- linear-attention layers ------------------------------------------------------------------------------
+    def branch(self, position: int, parents: list[int], labels: list[int]) -> None:
+        """The next linear-layer call is one tree level: tokens at `position`, row b continuing slot parents[b]."""
+        self._call = _LinearCall(position, position, parents, labels)
+
     def get_conv_state(self, layer_idx, state_idx=0):
-        return self.linear[layer_idx].conv
+        rows = self._continued(layer_idx)
+        self._conv_in = None if rows is None else _stack([r.conv for r in rows])
+        return self._conv_in
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return self.linear[layer_idx].recurrent
+        rows = self._continued(layer_idx)
+        return None if rows is None else _stack([r.recurrent for r in rows])
 
     def is_recording_past(self, layer_idx):
-        # Forces HF's functional conv path, so stored snapshots are never modified in place.
+        # Forces HF's functional conv path, so stored states are never modified in place.
         return True
 
     def update_conv_state(self, new, layer_idx, conv_kernel_size=None, **_):
-        state = self.linear[layer_idx]
-        start = self.write.start if isinstance(self.write, slice) else None
-        if start != state.length:
-            raise ValueError(
-                f"linear-attention layer {layer_idx} holds {state.length} tokens but was given position "
-                f"{start}; linear layers need contiguous appends: truncate or reset the runtime first"
-            )
-        full = new if state.conv is None else torch.cat([state.conv, new], dim=-1)
+        full = new if self._conv_in is None else torch.cat([self._conv_in, new], dim=-1)
         tail = full[..., -conv_kernel_size:]
         if tail.shape[-1] < conv_kernel_size:
             tail = torch.nn.functional.pad(tail, (conv_kernel_size - tail.shape[-1], 0))
-        state.conv = tail
-        self._pending_len = new.shape[-1]
+        self._conv_out = tail
         return full
 
     def update_recurrent_state(self, recurrent, layer_idx, **_):
-        state = self.linear[layer_idx]
-        state.recurrent = recurrent
-        state.length += self._pending_len
-        state.history.append((state.length, state.conv, state.recurrent))
+        store, call = self.linear[layer_idx], self._call
+        for position in range(call.position, call.last):  # a multi-token call has no states between its tokens
+            store.pop(position, None)
+        for b, label in enumerate(call.labels):
+            conv, state = self._conv_out[b: b + 1], recurrent[b: b + 1]
+            if len(call.labels) > 1:  # a view would keep every sibling's state alive as long as one survives
+                conv, state = conv.clone(), state.clone()
+            store[label] = _Row(call.last, conv, state)
+        for label in [k for k, row in store.items() if row.position < call.last - self.rewind_window]:
+            del store[label]
         return recurrent
 
+    def _continued(self, layer_idx) -> list[_Row] | None:
+        """The states this call continues (None at position 0)."""
+        store, call = self.linear[layer_idx], self._call
+        if call.position == 0:
+            return None
+        rows = [store.get(parent) for parent in call.parents]
+        if any(row is None or row.position != call.position - 1 for row in rows):
+            raise ValueError(
+                f"linear-attention layer {layer_idx} holds no state for slot(s) {call.parents} at position "
+                f"{call.position - 1}; linear layers continue the token before: truncate or reset the runtime first"
+            )
+        return rows
+
+    def move_linear(self, src: list[int], dst_start: int) -> None:
+        """An accepted branch's states are filed under its positions, in the layers that have run it."""
+        for store in self.linear.values():
+            rows = [store.get(slot) for slot in src]
+            for k, row in enumerate(rows):
+                if row is not None and row.position == dst_start + k:
+                    store[dst_start + k] = row
+
     def truncate(self, length: int) -> None:
-        """Forget everything at positions >= length. O(1) for attention; snapshot restore for linear layers."""
-        for layer_idx, state in self.linear.items():
-            if state.length > length:
-                state.restore(length, layer_idx)
+        """Forget everything at positions >= length. O(1) for attention; a lookup for linear layers, which also drop
+        the branches below the cut that were not accepted (rows filed under a slot other than their position)."""
+        for layer_idx, store in self.linear.items():
+            if length == 0:
+                store.clear()
+                continue
+            ran_past = any(row.position >= length for row in store.values())
+            for label in [k for k, row in store.items() if row.position >= length or k != row.position]:
+                del store[label]
+            if ran_past:
+                row = store.get(length - 1)
+                if row is None or row.position != length - 1:
+                    raise ValueError(
+                        f"linear-attention layer {layer_idx} cannot rewind to length {length}: no state there "
+                        f"(rewind window exceeded or a multi-token call spanned it)"
+                    )
+
+
+@dataclass
+class _Level:
+    """The tokens of a tree call at one position: their row indices, parent slots and own slots."""
+
+    position: int
+    rows: torch.Tensor
+    parents: list[int]
+    labels: list[int]
+
+
+def _levels(positions: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor) -> list[_Level]:
+    """A tree call's tokens grouped by position, shallowest first (a level's parents lie one position before)."""
+    levels = []
+    for position in sorted(set(positions.tolist())):
+        rows = (positions == position).nonzero()[:, 0]
+        levels.append(_Level(position, rows, parents.to(rows.device)[rows].tolist(), slots.to(rows.device)[rows].tolist()))
+    return levels
+
+
+def _stack(states: list[torch.Tensor]) -> torch.Tensor:
+    return states[0] if len(states) == 1 else torch.cat(states)
 
 
 def column_major_linears(model: torch.nn.Module) -> None:
@@ -206,32 +274,50 @@ class TargetRuntime:
         *,
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        parents: torch.Tensor | None = None,
         capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run layers [lo, hi) on h [1, T, D] at `positions` [T].
 
         KV goes to `slots` (default: the positions). `mask` [T, kv_end] says which cache slots each token sees
-        (default: every slot up to its own, i.e. causal). Returns the output and the hidden states h[k] for k in
-        `capture` within [lo, hi] (h[0] = embedding, h[k] = output of layer k, pre-norm).
+        (default: every slot up to its own, i.e. causal). A tree (slots given) through linear-attention layers also
+        needs `parents` [T]: the slot of the token each one continues. Returns the output and the hidden states h[k]
+        for k in `capture` within [lo, hi] (h[0] = embedding, h[k] = output of layer k, pre-norm).
         """
         positions = positions.to(self.device)
         attn_mask = self.cache.begin(positions, None if slots is None else slots.to(self.device),
                                      None if mask is None else mask.to(self.device))
-        if mask is not None and any(t == "linear_attention" for t in self.layer_types[lo:hi]):
-            raise ValueError("custom attention masks cannot be applied to linear-attention layers")
+        branched = slots is not None and any(t == "linear_attention" for t in self.layer_types[lo:hi])
+        if branched and parents is None:
+            raise ValueError("a tree through linear-attention layers needs each token's parent slot (parents=)")
+        levels = _levels(positions, slots, parents) if branched else []
         rope = self.backbone.rotary_emb(h, positions[None])
         captured = {lo: h} if lo in capture else {}
         for i in range(lo, hi):
-            h = self.layers[i](
-                h,
-                attention_mask=attn_mask if self.layer_types[i] == "full_attention" else None,
-                position_ids=positions[None],
-                position_embeddings=rope,
-                cache=self.cache,
-            )
+            if self.layer_types[i] == "linear_attention" and levels:
+                h = self._branch_levels(i, h, levels)
+            else:
+                h = self.layers[i](
+                    h,
+                    attention_mask=attn_mask if self.layer_types[i] == "full_attention" else None,
+                    position_ids=positions[None],
+                    position_embeddings=rope,
+                    cache=self.cache,
+                )
             if i + 1 in capture:
                 captured[i + 1] = h
         return h, captured
+
+    def _branch_levels(self, i: int, h: torch.Tensor, levels: list[_Level]) -> torch.Tensor:
+        """A linear layer on a tree: one call per level (the tokens at one position), its rows a batch that
+        continues each parent's state, so every branch advances in the same call."""
+        out = torch.empty_like(h)
+        for level in levels:
+            self.cache.branch(level.position, level.parents, level.labels)
+            rows = h[0, level.rows][:, None]  # [B, 1, D]
+            out[0, level.rows] = self.layers[i](rows, position_embeddings=None, attention_mask=None,
+                                                cache=self.cache)[:, 0]
+        return out
 
     def forward(self, ids: torch.Tensor, start: int, capture: tuple[int, ...] = ()):
         """All layers on contiguous tokens from position `start`; returns logits [T, V] and captured states."""

@@ -110,13 +110,6 @@ def commit(output: list[int], tokens: list[int], max_new_tokens: int, stop_ids: 
     return new
 
 
-def require_tree_attention(target: TargetRuntime, width: int) -> None:
-    """Draft trees need attention masks, which linear-attention layers (Qwen3.5 Gated DeltaNet) cannot apply."""
-    if width > 1 and target.has_linear_layers:
-        raise HarnessError(f"draft width {width} needs tree attention, which linear-attention layers cannot apply; "
-                           f"use --width 1 with this model")
-
-
 REGISTRY: dict[str, type[Method]] = {}
 
 

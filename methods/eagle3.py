@@ -12,7 +12,7 @@ import torch
 from harness import checkpoints
 from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
-from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, commit, register, require_tree_attention
+from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, commit, register
 from methods.eagle_head import LAYOUTS, EagleConfig, EagleHead
 from methods.eagle_replay import chain_accepts, replay_rounds, trajectory_verifier
 from methods.sampling import Sampler
@@ -139,7 +139,6 @@ class EAGLE3(Method):
         super().__init__(target, params, stop_ids, checkpoint)
         self.head = head or load_head(target, params, checkpoint)
         self.layers = self.head.config.all_feature_layers()
-        require_tree_attention(target, params.width)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
@@ -245,21 +244,22 @@ class EAGLE3(Method):
         ids = torch.tensor([last] + [n.token for n in nodes], device=device)
         positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
         chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
-        slots = mask = None
-        if not chain:  # rows see the prefix plus their own branch; slots base + 1 + i hold the candidates
+        slots = mask = parents = None
+        # Rows see the prefix plus their own branch; slots base + 1 + i hold the candidates. Linear-attention layers
+        # take even a chain level by level, so the state after each accepted candidate is there whatever is accepted.
+        if not chain or target.has_linear_layers:
             slots = base + torch.arange(len(ids), device=device)
             mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
+            parents = torch.tensor([base - 1] + [base + 1 + n.parent if n.parent >= 0 else base for n in nodes],
+                                   device=device)
         h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
-                                        capture=self.layers)
+                                        parents=parents, capture=self.layers)
         logits = target.logits(h)
         path, bonus = self._accept(nodes, logits, sampler)
-        rows = [0] + [i + 1 for i in path]
-        if path and path != list(range(len(path))):  # the accepted branch's KV moves to its positions
+        if path and path != list(range(len(path))):  # the accepted branch's KV (and linear states) move
             target.cache.move(torch.tensor([base + 1 + i for i in path], device=device), base + 1)
-        if target.has_linear_layers and len(path) < len(nodes):  # rewind, then replay the accepted prefix
-            target.truncate(base)
-            _, captured = target.forward(ids[: len(rows)], base, self.layers)
-            rows = list(range(len(rows)))
+        target.truncate(base + 1 + len(path))  # the rejected candidates' linear states go
+        rows = [0] + [i + 1 for i in path]
         return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
 
     def _accept(self, nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:

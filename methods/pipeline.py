@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.target import StateCache, TargetRuntime
-from methods.base import Generation, Timer, require_tree_attention
+from methods.base import Generation, Timer
 from methods.pipeline_executor import LocalExecutor, StageExecutor
 from methods.pipeline_tree import Level, Token, fill_level, is_chain, keep_subtree, prune_dead_branches, tree_mask
 from methods.sampling import Sampler
@@ -98,7 +98,6 @@ class PipelineEngine:
         self.width = width
         self.bounds = self.config.bounds
         self.capture = self.config.all_feature_layers()
-        require_tree_attention(target, width)
         self.executor = executor or LocalExecutor(target, self.bounds, self.capture, width)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:

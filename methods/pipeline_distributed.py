@@ -158,7 +158,7 @@ class DistributedExecutor(StageExecutor):
             call = self.stage_call(level, chain, base, kv_end)
             outgoing.append((rank, call.hidden))
             if not chain:
-                outgoing += [(rank, call.slots), (rank, call.mask.to(torch.uint8))]
+                outgoing += [(rank, call.slots), (rank, call.mask.to(torch.uint8)), (rank, call.parents)]
             incoming.append((rank, self._buffer(stage, len(level))))
         self._control(ADVANCE, int(chain), kv_end, counts=counts, positions=positions)
         self._exchange(outgoing, incoming)
@@ -258,12 +258,13 @@ class StageServer:
         prefill) count towards the stage's forward seconds."""
         runtime = self.runtime
         h = self._receive((1, count, runtime.config.hidden_size), runtime.dtype)
-        slots = mask = None
+        slots = mask = parents = None
         if not chain:
             slots = self._receive((count,), torch.long)
             mask = self._receive((count, kv_end), torch.uint8).bool()
+            parents = self._receive((count,), torch.long)
         start = time.perf_counter()
-        out, captured = runtime.run_layers(self.lo, self.hi, h, positions, slots=slots, mask=mask,
+        out, captured = runtime.run_layers(self.lo, self.hi, h, positions, slots=slots, mask=mask, parents=parents,
                                            capture=self.wanted)
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)

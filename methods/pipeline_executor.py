@@ -30,6 +30,7 @@ class StageCall:
     positions: torch.Tensor  # [B], one position (siblings share it)
     slots: torch.Tensor | None  # trees: sibling KV slots [B]
     mask: torch.Tensor | None  # trees: [B, kv_end]
+    parents: torch.Tensor | None  # trees: the slot each token continues [B] (linear-attention layers)
 
 
 class StageExecutor(ABC):
@@ -77,12 +78,14 @@ class StageExecutor(ABC):
         """The step of `level` through the stage at its depth (trees: sibling slots and a tree mask)."""
         lo, hi = self.bounds[level[0].depth]
         positions = torch.full((len(level),), level[0].position, device=self.device)
-        slots = mask = None
+        slots = mask = parents = None
         if not chain:
             slots = torch.tensor([t.slot for t in level], device=self.device)
             mask = tree_mask(level, base, kv_end)
+            parents = torch.tensor([t.position - 1 if t.parent is None else t.parent.slot for t in level],
+                                   device=self.device)
         return StageCall(lo, hi, tuple(layer for layer in self.capture if lo < layer <= hi),
-                         torch.cat([t.hidden for t in level], dim=1), positions, slots, mask)
+                         torch.cat([t.hidden for t in level], dim=1), positions, slots, mask, parents)
 
     @staticmethod
     def absorb(level: Level, out: torch.Tensor, captured: dict[int, torch.Tensor]) -> None:
@@ -128,7 +131,7 @@ class LocalExecutor(StageExecutor):
         for level in levels:
             call = self.stage_call(level, chain, base, kv_end)
             self.absorb(level, *self.target.run_layers(call.lo, call.hi, call.hidden, call.positions, slots=call.slots,
-                                                       mask=call.mask, capture=call.wanted))
+                                                       mask=call.mask, parents=call.parents, capture=call.wanted))
 
     def verification_logits(self, finished: Token) -> torch.Tensor:
         return self.target.logits(finished.hidden)[0]

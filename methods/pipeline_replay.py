@@ -48,7 +48,8 @@ def simulate(engine: PipelineEngine, prompt_ids: list[int], trajectory: list[int
         teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler)
         return replay_cycles(fill_state_accepts(engine.speculator, teacher), teacher, config.n, config.schedule,
                              max_new_tokens, engine.stop_ids, engine.shape())
-    teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler, keep_cache=True)
+    capture = tuple(sorted(set(engine.capture) | set(linear_layers(engine.target))))  # + linear layers' inputs
+    teacher = Teacher.run(engine.target, prompt_ids, trajectory, capture, sampler, keep_cache=True)
     replay = PipelineEngine(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class,
                             executor=TeacherForcedExecutor(engine, teacher))
     generation = replay.generate(prompt_ids, max_new_tokens, sampler)
@@ -179,6 +180,8 @@ class TeacherForcedExecutor(StageExecutor):
             raise HarnessError(f"the tree replay needs {teacher.length + self.ring} target cache slots but the runtime "
                                f"holds {self.target.max_len}; use a smaller --width or --n")
         self.off_path: weakref.WeakKeyDictionary[Token, _OffPath] = weakref.WeakKeyDictionary()
+        self.linear = linear_layers(self.target)
+        self.linear_end = 0  # trajectory positions below this have linear-layer states in the target's cache
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The teacher's prompt states, and logits that make the trajectory's first token the pick at any T."""
@@ -259,14 +262,34 @@ class TeacherForcedExecutor(StageExecutor):
                 record = record.parent
         positions = torch.tensor([t.position for t in tokens], device=self.device)
         slots = torch.tensor([self.off_path[t].slot for t in tokens], device=self.device)
+        records = [self.off_path[t] for t in tokens]
+        parents = [r.parent.slot if r.parent else t.position - 1 for r, t in zip(records, tokens)]
+        left_here = [p for p, r in zip(parents, records) if r.parent is None]  # the trajectory token before
+        if left_here:
+            self._trajectory_linear_states(max(left_here))
         hidden = torch.cat([t.hidden for t in tokens], dim=1)
         _, captured = self.target.run_layers(0, self.target.num_layers, hidden, positions, slots=slots, mask=mask,
-                                             capture=self.capture)
+                                             parents=torch.tensor(parents, device=self.device), capture=self.capture)
         for b, token in enumerate(tokens):
             self.off_path[token].states = {layer: h[:, b: b + 1] for layer, h in captured.items()}
 
+    def _trajectory_linear_states(self, upto: int) -> None:
+        """Linear-attention states of the trajectory through position `upto`, where off-trajectory branches leave
+        it: each linear layer runs alone on its teacher input, the prompt at once, then one token per call (a
+        branch may leave after any of them; the target keeps the last `rewind_window`)."""
+        while self.linear and self.linear_end <= upto:
+            end = self.teacher.prompt_len if self.linear_end == 0 else self.linear_end + 1
+            positions = torch.arange(self.linear_end, end, device=self.device)
+            for i in self.linear:
+                self.target.run_layers(i, i + 1, self.teacher.features[i][:, self.linear_end: end], positions)
+            self.linear_end = end
+
     def _teacher_state(self, layer: int, position: int) -> torch.Tensor:
         return self.teacher.features[layer][:, position: position + 1]
+
+
+def linear_layers(target) -> list[int]:
+    return [i for i, kind in enumerate(target.layer_types) if kind == "linear_attention"]
 
 
 @dataclass

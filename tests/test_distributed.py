@@ -51,7 +51,7 @@ def _spd(folder, n, width, schedule="input"):
 
 
 @pytest.mark.parametrize("arch, n, width, schedule", [("llama", 2, 1, "input"), ("qwen3_5", 3, 1, "output"),
-                                                      ("qwen3", 3, 4, "input")])
+                                                      ("qwen3", 3, 4, "input"), ("qwen3_5", 2, 4, "input")])
 def test_distributed_pipeline_equals_ar_and_the_local_executor(tmp_path, arch, n, width, schedule):
     folder = _saved(tmp_path, arch)
     target, local = _spd(folder, n, width, schedule)

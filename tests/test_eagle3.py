@@ -4,7 +4,6 @@ distribution at T=1, and the training-time-test forward equal to the rows the de
 import pytest
 import torch
 
-from harness.errors import HarnessError
 from harness.target import TargetRuntime
 from methods.base import build_method
 from methods.eagle3 import EAGLE3, EagleParams, Node, _Head
@@ -43,7 +42,8 @@ class Oracle(EAGLE3):
         return super()._children(nodes, frontier, logits, depth, width, sampler)
 
 
-@pytest.mark.parametrize("arch, width", [("llama", 1), ("qwen3", 1), ("qwen3_5", 1), ("llama", 4), ("qwen3", 4)])
+@pytest.mark.parametrize("arch, width", [("llama", 1), ("qwen3", 1), ("qwen3_5", 1), ("llama", 4), ("qwen3", 4),
+                                         ("qwen3_5", 2), ("qwen3_5", 4)])
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("hit_rate", [0.0, 0.7, 1.0])
 def test_greedy_output_is_token_identical_to_ar(arch, width, m, hit_rate):
@@ -86,15 +86,10 @@ def test_a_tree_rescues_a_wrong_first_choice():
     assert steps[1] == 16  # the chain's first draft always fails
 
 
-def test_width_above_one_is_refused_on_linear_attention_targets():
-    with pytest.raises(HarnessError, match="--width 1"):
-        _eagle(tiny_model("qwen3_5"), width=4)
-
-
-@pytest.mark.parametrize("width", [1, 4])
-def test_sampled_tokens_follow_the_target_distribution(width):
+@pytest.mark.parametrize("arch, width", [("llama", 1), ("llama", 4), ("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5", 4)])
+def test_sampled_tokens_follow_the_target_distribution(arch, width):
     vocab = 4
-    model = flat_target(vocab)
+    model = flat_target(vocab, arch)
     _, method = _eagle(model, m=2, width=width)
     with torch.no_grad():  # a head far from the target, so a wrong rule would show
         method.head.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))

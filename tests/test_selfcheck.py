@@ -15,7 +15,7 @@ def test_selfcheck_runs_every_method_against_ar_and_records_it(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     methods = {(r["model"].split()[0], r["method"]) for r in rows}
     assert ("qwen3", "spd n=4 ls=1 input w=4") in methods and ("qwen3_5", "eagle3 m=3 w=1") in methods
-    assert ("qwen3_5", "spd n=4 ls=1 input w=4") not in methods  # no trees through linear attention
+    assert ("qwen3_5", "spd n=4 ls=1 input w=4") in methods and ("qwen3_5", "eagle3 m=3 w=4") in methods
     assert any(m.startswith("spd n=2 distributed") for _, m in methods)
     assert all(r["ok"] for r in rows) and "verdict" in result.output
 

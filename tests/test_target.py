@@ -104,7 +104,7 @@ def test_linear_attention_rewind_beyond_the_window_fails_loudly():
         runtime.truncate(4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_tree_rows_with_custom_mask_match_each_branch_run_alone_and_compaction_continues_exactly(arch):
     model = tiny_model(arch)
     gen = torch.Generator().manual_seed(5)
@@ -125,7 +125,8 @@ def test_tree_rows_with_custom_mask_match_each_branch_run_alone_and_compaction_c
     mask[:, :6] = True
     for row, visible in enumerate([[0], [0, 1], [0, 1, 2], [3], [3, 4]]):
         mask[row, [6 + v for v in visible]] = True
-    h, _ = runtime.run_layers(0, 6, runtime.embed(tokens), positions, slots=slots, mask=mask)
+    parents = torch.tensor([5, 6, 7, 5, 9])  # linear layers: the slot each token continues
+    h, _ = runtime.run_layers(0, 6, runtime.embed(tokens), positions, slots=slots, mask=mask, parents=parents)
     logits = runtime.logits(h)
     assert (logits[:3] - alone(branch_a)).abs().max() < TOL
     assert (logits[3:] - alone(branch_b)).abs().max() < TOL
@@ -138,10 +139,47 @@ def test_tree_rows_with_custom_mask_match_each_branch_run_alone_and_compaction_c
     assert (got - expected).abs().max() < TOL
 
 
-def test_custom_mask_on_linear_attention_layers_is_refused():
+def test_a_tree_through_linear_attention_layers_without_parents_is_refused():
     model = tiny_model("qwen3_5")
     runtime = TargetRuntime(model)
     runtime.forward(torch.arange(3), start=0)
     mask = torch.ones(2, 5, dtype=torch.bool)
-    with pytest.raises(ValueError, match="linear-attention"):
-        runtime.run_layers(0, 6, runtime.embed(torch.tensor([1, 2])), torch.tensor([3, 4]), mask=mask)
+    with pytest.raises(ValueError, match="parent slot"):
+        runtime.run_layers(0, 6, runtime.embed(torch.tensor([1, 2])), torch.tensor([3, 4]), slots=torch.tensor([3, 4]),
+                           mask=mask)
+
+
+def test_siblings_through_linear_layers_match_each_branch_alone_over_several_levels_and_rewind():
+    """Three levels of a pipeline-like tree, one call per level: level k continues chosen parents of level k-1."""
+    model = tiny_model("qwen3_5")
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 256, (5,), generator=gen)
+    runtime = TargetRuntime(model)
+    runtime.forward(prompt, start=0)
+    # level at 5: siblings A, B; level at 6: A1, B1, B2 (children of A, B, B); level at 7: B2a (child of B2)
+    tokens = {name: int(t) for name, t in zip(["A", "B", "A1", "B1", "B2", "B2a"], torch.randint(0, 256, (6,), generator=gen))}
+    levels = [(5, [("A", 5, 4), ("B", 8, 4)]), (6, [("A1", 6, 5), ("B1", 9, 8), ("B2", 12, 8)]), (7, [("B2a", 7, 12)])]
+    parents_of = {"A1": "A", "B1": "B", "B2": "B", "B2a": "B2"}
+    seen: dict[str, list[str]] = {}  # each token's branch from the prompt on
+    slot_of, got = {}, {}
+    for position, rows in levels:
+        names = [r[0] for r in rows]
+        for name in names:
+            seen[name] = seen.get(parents_of.get(name), []) + [name]
+        slot_of.update({name: slot for name, slot, _ in rows})
+        mask = torch.zeros(len(rows), 16, dtype=torch.bool)
+        mask[:, :5] = True
+        for r, name in enumerate(names):
+            mask[r, [slot_of[a] for a in seen[name]]] = True
+        h, _ = runtime.run_layers(0, 6, runtime.embed(torch.tensor([tokens[n] for n in names])),
+                                  torch.full((len(rows),), position), slots=torch.tensor([r[1] for r in rows]),
+                                  mask=mask, parents=torch.tensor([r[2] for r in rows]))
+        got.update({name: runtime.logits(h)[r] for r, name in enumerate(names)})
+    for name, path in seen.items():
+        alone = TargetRuntime(model).forward(torch.cat([prompt, torch.tensor([tokens[a] for a in path])]), 0)[0][-1]
+        assert (got[name] - alone).abs().max() < TOL, name
+    runtime.cache.move(torch.tensor([8, 12]), dst_start=5)  # accept B then B2: their states are filed at 5, 6
+    runtime.truncate(7)
+    nxt = torch.tensor([3])
+    expected = TargetRuntime(model).forward(torch.cat([prompt, torch.tensor([tokens["B"], tokens["B2"]]), nxt]), 0)[0]
+    assert (runtime.forward(nxt, start=7)[0] - expected[-1:]).abs().max() < TOL

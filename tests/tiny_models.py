@@ -46,9 +46,9 @@ def tiny_model(arch: str, num_layers: int = 6, vocab_size: int = 256, seed: int 
     return model.eval()
 
 
-def flat_target(vocab: int):
-    """A tiny Llama with a flattened head at T=1, so every outcome of the first tokens is likely."""
-    model = tiny_model("llama", vocab_size=vocab)
+def flat_target(vocab: int, arch: str = "llama"):
+    """A tiny model with a flattened head at T=1, so every outcome of the first tokens is likely."""
+    model = tiny_model(arch, vocab_size=vocab)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)
     return model
