@@ -67,6 +67,17 @@ def _params(pairs: tuple[str, ...]) -> dict:
     return params
 
 
+def _method_options(args: list[str]) -> dict:
+    """`--some-name value` pairs left over by `run`'s own options: the method's parameters (checked by the method)."""
+    pairs = []
+    for i in range(0, len(args), 2):
+        name, value = args[i], args[i + 1] if i + 1 < len(args) else None
+        if not name.startswith("--") or value is None or value.startswith("--"):
+            raise click.UsageError(f"unexpected argument {name!r}: method parameters go as --name value")
+        pairs.append(f"{name[2:].replace('-', '_')}={value}")
+    return _params(tuple(pairs))
+
+
 @click.group(cls=_Group)
 def main():
     """Benchmark and reproduction harness for lossless speculative decoding."""
@@ -100,9 +111,11 @@ def prompt_options(command):
     return command
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--method", default="autoregressive", show_default=True, help="Registered decoding method.")
-@click.option("--param", "param_pairs", multiple=True, help="Method parameter name=value (repeatable).")
+@click.option("--param", "param_pairs", multiple=True,
+              help="Method parameter name=value (repeatable); `--name value` works too for any parameter the method "
+                   "declares (e.g. --fan-out 3 for ssd).")
 @click.option("--n", type=int, default=None, help="Pipeline stages (pipeline methods).")
 @click.option("--ls", type=int, default=None, help="Drafter decoder layers (pipeline methods).")
 @click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule (spd).")
@@ -123,14 +136,16 @@ def prompt_options(command):
               help="--executor distributed: one device per stage, e.g. cuda:1,cuda:2 (default: the --device type).")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="--executor distributed: seconds a rank may wait for another before the run fails.")
-def run(method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens, limit,
-        seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout):
+@click.pass_context
+def run(ctx, method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens,
+        limit, seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.runner import RunConfig
     from harness.runner import run as run_config
 
     named = {"n": n, "ls": ls, "schedule": schedule, "width": width, "m": m}
-    params = {**_params(param_pairs), **{k: v for k, v in named.items() if v is not None}}
+    params = {**_params(param_pairs), **_method_options(ctx.args),
+              **{k: v for k, v in named.items() if v is not None}}
     config = RunConfig(
         method=method, params=params, model=model, datasets=datasets, temperature=temperature,
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
@@ -293,11 +308,10 @@ def export_head(model, ttt, checkpoint, out):
     """An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format (SGLang, the EAGLE code)."""
     from transformers import AutoConfig
 
+    from harness import checkpoints
     from harness.interop import export_eagle3
     from harness.models import load_identity, resolve_model_dir
     from methods.eagle3 import EagleParams
-
-    from harness import checkpoints
 
     tag = EagleParams(ttt=ttt, layout="eagle3").tag
     folder, _ = checkpoints.locate(load_identity(model), "eagle3", tag,

@@ -59,7 +59,7 @@ class Summary:
             self.divergences.append((row["question_id"], row["lossless"].get("first_divergence")))
         _add(self.timing, row["timing"])
         stats = row.get("stats", {})
-        _add(self.counts, {k: stats.get(k, 0) for k in ("stage_runs", "drafter_calls", "verifications")})
+        _add(self.counts, {k: v for k, v in stats.items() if type(v) is int})  # every family's counters
         self.expected_accepts += stats.get("expected_accepts", 0.0)
         self.pipeline = stats.get("pipeline", self.pipeline)
         if "pipeline" in stats and row["steps"]:

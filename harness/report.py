@@ -244,6 +244,23 @@ def breakdown_table(overall: list[Summary]) -> list[Table]:
                   "slowest stage: the busiest rank's forward time per cycle (distributed only)")]
 
 
+def family_tables(overall: list[Summary]) -> list[Table]:
+    """A table per method family with figures of its own (Method.figures), one row per configuration."""
+    found: dict[str, list[tuple[Summary, dict]]] = {}
+    for s in overall:
+        figures = s.family.figures(s) if s.family else {}
+        if figures:
+            found.setdefault(s.method, []).append((s, figures))
+    tables = []
+    for method, entries in found.items():
+        names = list(entries[0][1])
+        rows = [[_config(s), f"{s.temperature:g}", str(s.samples)] + [_num(figures.get(n)) for n in names]
+                for s, figures in entries]
+        tables.append(Table(f"{method} figures", ["config", "T", "samples", *names], rows,
+                            entries[0][0].family.figures_note))
+    return tables
+
+
 def lossless_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
@@ -271,7 +288,7 @@ def tables(summaries: list[Summary]) -> list[Table]:
     overall = [s for s in summaries if s.dataset == OVERALL]
     return ([summary_table(overall)] + main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall)
             + speedup_table(overall)
-            + acceptance_tables(overall) + breakdown_table(overall) + simulation_table(overall)
+            + acceptance_tables(overall) + breakdown_table(overall) + family_tables(overall) + simulation_table(overall)
             + claims_table(summaries)
             + reference_table(summaries)
             + lossless_table(overall)

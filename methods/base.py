@@ -74,6 +74,13 @@ class Method(ABC):
     def modeled_speedup(cls, summary) -> float | None:
         return None
 
+    figures_note: ClassVar[str] = ""  # how the family's own figures are defined (the note under its report table)
+
+    @classmethod
+    def figures(cls, summary) -> dict[str, float | None]:
+        """Figures of the family's own, from a pooled summary: the report gives each family with any a table."""
+        return {}
+
     def __init__(self, target: TargetRuntime, params, stop_ids: set[int], checkpoint: str | None = None):
         self.target = target
         self.params = params
@@ -125,12 +132,18 @@ def parse_params(cls: type[Method], raw: dict):
     if unknown:
         allowed = ", ".join(sorted(types)) or "none"
         raise ValueError(f"method {cls.name} has no parameter(s) {', '.join(sorted(unknown))} (allowed: {allowed})")
+    values = dict(raw)
     for name, value in raw.items():
+        if types[name] == "float" and isinstance(value, (int, str)):  # the command line gives words and integers
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise ValueError(f"parameter {name} of {cls.name} wants a number, got {value!r}") from None
         if types[name] == "int" and not isinstance(value, int):
             raise ValueError(f"parameter {name} of {cls.name} wants an integer, got {value!r}")
         if types[name] == "str" and not isinstance(value, str):
             raise ValueError(f"parameter {name} of {cls.name} wants a word, got {value!r}")
-    return cls.Params(**raw)
+    return cls.Params(**values)
 
 
 # A parameter added after records were committed carries this metadata: it is recorded only when it differs from its

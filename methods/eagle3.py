@@ -14,7 +14,7 @@ from harness.errors import HarnessError
 from harness.target import StateCache, TargetRuntime
 from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, commit, register
 from methods.eagle_head import LAYOUTS, EagleConfig, EagleHead
-from methods.eagle_replay import chain_accepts, replay_rounds, trajectory_verifier
+from methods.eagle_replay import chain_accepts, replay_rounds, rounds_on_trajectory
 from methods.sampling import Sampler
 from methods.teacher import Teacher
 from methods.verify import chain_rejection, verify_tree
@@ -71,6 +71,13 @@ class _Head:
         self.device = head.head.weight.device
         self.cache = StateCache(["full_attention"], max_len, rewind_window=0)
         self.root: torch.Tensor | None = None  # output state of the newest target-feature row
+
+    @classmethod
+    def started(cls, head: EagleHead, max_len: int, prompt_ids: list[int], first: int, captured: dict) -> _Head:
+        """The head after the prefill: rows for the prompt's tokens after the first and the first sampled token."""
+        started = cls(head, max_len)
+        started.append(prompt_ids[1:] + [first], captured, start=1)
+        return started
 
     def append(self, tokens: list[int], features: dict[int, torch.Tensor], start: int) -> None:
         """Rows for `tokens` at positions start.. with the target features of the positions before them; the
@@ -142,13 +149,17 @@ class EAGLE3(Method):
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        timer = Timer(self.target.device)
+        first, captured = self.prefill(prompt_ids, sampler, timer)
+        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
+
+    def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
+        """The prompt's target forward: the first token and the head's feature layers over the prompt."""
         target = self.target
         target.reset()
-        timer = Timer(target.device)
         with timer("prefill"):
             logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, self.layers)
-            first = sampler.pick(logits[-1])
-        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
+            return sampler.pick(logits[-1]), captured
 
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
@@ -158,24 +169,21 @@ class EAGLE3(Method):
         are deterministic and the sibling rule emits a sample of p, accepting iff it is a candidate, so at T>0 the
         replay is a sample of the executed process (its expected acceptance is the realised one: the target's
         distributions off the trajectory are not known)."""
-        teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
         if self.params.width == 1:
+            teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
             accepts = chain_accepts(self.head, teacher, self.params.m)
             return replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids, self._shape())
-        start = teacher.prompt_len
-        prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
-        generation = self._rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
-                                  Timer(self.target.device), trajectory_verifier(teacher))
-        generation.stats["expected_accepts"] = float(sum(generation.position_accepts))
-        return generation
+        return rounds_on_trajectory(
+            lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
+                                                              verify),
+            self.target, prompt_ids, trajectory, self.layers, sampler)
 
     def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
                 timer: Timer, verify) -> Generation:
         """Draft, verify (`verify(nodes, last, base, sampler)` -> path, bonus, features), commit, until done."""
         m = self.params.m
         with timer("prefill"):
-            head = _Head(self.head, self.target.max_len)
-            head.append(prompt_ids[1:] + [first], captured, start=1)
+            head = _Head.started(self.head, self.target.max_len, prompt_ids, first, captured)
         output = [first]
         accepted, position_accepts, candidates = [], [0] * m, 0
         with timer("decode"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from methods.base import Generation, commit
+from methods.base import Generation, Timer, commit
 from methods.eagle_head import EagleHead, ttt_logits
 from methods.teacher import Teacher
 from methods.verify import verify_tree
@@ -73,3 +73,15 @@ def trajectory_verifier(teacher: Teacher):
         return path, bonus, features
 
     return verify
+
+
+def rounds_on_trajectory(rounds, target, prompt_ids: list[int], trajectory: list[int], layers: tuple[int, ...],
+                         sampler) -> Generation:
+    """A method's real drafting rounds, `rounds(first, prompt_features, timer, verify)`, with the trajectory in place of
+    the target's verification forward (trajectory_verifier); the realised acceptance is the expected one."""
+    teacher = Teacher.run(target, prompt_ids, trajectory, layers, sampler)
+    start = teacher.prompt_len
+    prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
+    generation = rounds(teacher.token(start), prefix, Timer(target.device), trajectory_verifier(teacher))
+    generation.stats["expected_accepts"] = float(sum(generation.position_accepts))
+    return generation

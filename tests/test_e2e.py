@@ -86,3 +86,14 @@ def test_the_gate_fails_when_the_drafter_reads_a_feature_from_the_wrong_depth(tm
     result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--rerun", "--results",
                                        str(tmp_path / "rerun"), "--tolerance", "0.1"])
     assert result.exit_code == 1 and "1 of 1 configurations failed" in result.output, result.output
+
+
+def test_ssd_with_the_shipped_eagle3_head_is_lossless_through_the_cli(tmp_path):
+    """The command line takes SSD's own parameters as options; T=0 output equals AR's (checked by the run)."""
+    out = tmp_path / "ssd.jsonl"
+    result = CliRunner().invoke(main, ["run", "--method", "ssd", "--k", "3", "--fan-out", "2", "--saguaro-x", "0.5",
+                                       "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "24", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["lossless"]["identical"] and row["params"]["saguaro_x"] == 0.5
+    assert row["stats"]["cache_hits"] == sum(row["stats"]["hits"]) and row["timing"]["modeled"] > 0

@@ -1,0 +1,272 @@
+"""Speculative speculative decoding (SSD; Kumar, Dao and May, arXiv 2603.03251).
+
+Draft-then-verify removes the target's serial steps but keeps one of its own: each round waits for its drafts. SSD
+drafts the next round while the target verifies this one, for the outcomes it expects: how many of the k drafts are
+accepted (a = 0..k) and which bonus token follows (the drafter's top F_a tokens after a accepted drafts, the
+rejected draft excluded). The chains drafted for those outcomes wait in a speculation cache keyed by (a, bonus);
+when the real outcome is there the next round starts with no drafting, on a miss a fallback drafts: `jit` drafts k
+tokens as a synchronous round would, `none` verifies no drafts (one target step).
+
+Saguaro sampling (`saguaro_x` = x < 1) scales the drafter's top F + 1 probabilities by x before sampling and
+verification: the rejection residual max(0, p - q), which the bonus token is drawn from, then leans towards the
+drafter's top tokens, the ones the cache holds. Lossless at any x: a cached chain was sampled from exactly the q it
+is verified with, independently of the outcome that selects it.
+
+The drafter is an EAGLE-3 head (methods/eagle3.py; the shipped one on the embedded model). It sees the target's
+features of committed tokens; the chains drafted during verification see the head's own states for this round's
+drafts and the guessed bonus token, as EAGLE-3's deeper drafts do.
+
+One process here: the cache is built ("speculate") before the verification forward ("verify"), one after the
+other. The modeled time takes them as overlapped (drafter and target on devices of their own): per round
+max(verify, speculate) + the head's update + the fallback's drafting on a miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.errors import HarnessError
+from methods.base import Generation, Method, Timer, commit, register
+from methods.eagle3 import EAGLE3, EagleParams, Node, _Head
+from methods.eagle_replay import rounds_on_trajectory
+from methods.sampling import Sampler
+
+FALLBACKS = ("jit", "none")
+MAX_SPECULATED = 240  # tree rows per round: the runtime keeps 256 slots above the sequence for drafts
+
+
+@dataclass(frozen=True)
+class SSDParams:
+    k: int = 4  # drafts per round
+    fan_out: int = 3  # bonus tokens guessed per accepted count
+    fan_out_list: str = ""  # "F0,F1,..,Fk": guesses per accepted count 0..k (overrides fan_out)
+    saguaro_x: float = 1.0  # Saguaro sampling: scale of the drafter's top fan_out + 1 probabilities (1: off)
+    fallback: str = "jit"  # on a cache miss: draft k tokens now (jit) or verify none (none)
+    ttt: int = 7  # which trained EAGLE-3 head drafts
+
+    def __post_init__(self):
+        if min(self.k, self.fan_out, self.ttt) < 1:
+            raise ValueError(f"k, fan_out and ttt must be >= 1, got k={self.k}, fan_out={self.fan_out}, ttt={self.ttt}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if not self.saguaro_x > 0:
+            raise ValueError(f"saguaro_x must be > 0, got {self.saguaro_x}")
+        fan_outs = self.fan_outs  # parses fan_out_list
+        if len(fan_outs) != self.k + 1 or min(fan_outs) < 0:
+            raise ValueError(f"fan_out_list needs k + 1 = {self.k + 1} counts >= 0, got {self.fan_out_list!r}")
+        rows = self.k + sum(fan_outs) * (self.k + 1)
+        if rows > MAX_SPECULATED:
+            raise ValueError(f"k={self.k} with fan-outs {fan_outs} drafts {rows} rows per round (at most "
+                             f"{MAX_SPECULATED}); lower k or the fan-out")
+
+    @property
+    def fan_outs(self) -> list[int]:
+        if not self.fan_out_list:
+            return [self.fan_out] * (self.k + 1)
+        try:
+            return [int(v) for v in str(self.fan_out_list).split(",")]
+        except ValueError:
+            raise ValueError(f"fan_out_list must be comma-separated counts, got {self.fan_out_list!r}") from None
+
+
+def saguaro(probs: torch.Tensor, x: float, fan_out: int) -> torch.Tensor:
+    """Draft probabilities [R, V] with each row's top fan_out + 1 scaled by x, renormalised (x = 1: unchanged)."""
+    if x == 1.0:
+        return probs
+    top = torch.topk(probs, min(fan_out + 1, probs.shape[-1]), dim=-1).indices
+    scaled = probs.scatter(-1, top, probs.gather(-1, top) * x)
+    return scaled / scaled.sum(-1, keepdim=True)
+
+
+@dataclass
+class _Round:
+    """Per-round bookkeeping of one generation."""
+
+    hits: list[int]  # 1 where the round's drafts came from the cache (never the first round)
+    modeled: float = 0.0  # seconds with drafting overlapped with verification
+    speculated: int = 0  # chains drafted into the cache
+    fallback_drafts: int = 0  # rounds whose drafts the fallback drafted (jit), the first included
+
+
+@register
+class SSD(Method):
+    name = "ssd"
+    Params = SSDParams
+
+    @classmethod
+    def drafter(cls, params: SSDParams) -> tuple[str, str]:
+        return EAGLE3.drafter(EagleParams(ttt=params.ttt))
+
+    @classmethod
+    def theoretical_speedup(cls, summary) -> float | None:
+        """tau * L / (L + f * Ls * k): drafting is hidden behind verification except the fallback's (f: share of
+        rounds that missed and drafted k tokens through the head's Ls layers)."""
+        shape, tau = summary.draft, summary.tokens_per_step
+        if shape is None or tau is None or not summary.steps:
+            return None
+        drafted = summary.counts.get("fallback_drafts", 0) / summary.steps
+        return tau * shape["num_layers"] / (shape["num_layers"] + drafted * shape["ls"] * shape["m"])
+
+    @classmethod
+    def modeled_speedup(cls, summary) -> float | None:
+        """AR's measured time per token over SSD's modeled one (drafter and target overlapped, see module doc)."""
+        modeled, tokens = summary.timing.get("modeled", 0.0), summary.new_tokens - summary.samples
+        baseline = summary.baseline_tokens - summary.samples
+        if modeled <= 0 or tokens <= 0 or baseline <= 0 or summary.baseline_decode_s <= 0:
+            return None
+        return (summary.baseline_decode_s / baseline) / (modeled / tokens)
+
+    figures_note = ("cache hit rate: rounds whose drafts were in the speculation cache, over the rounds that could "
+                    "hit (all but each sample's first); tokens/forward: tokens committed per target forward; "
+                    "theoretical: tau*L/(L + f*Ls*k), f the share of rounds the fallback drafted; modeled: AR's "
+                    "measured time per token over SSD's with drafting overlapped (max(verify, speculate) + head "
+                    "update + fallback per round); wall-clock: this process, drafting and verifying in turn")
+
+    @classmethod
+    def figures(cls, summary) -> dict[str, float | None]:
+        could_hit = summary.steps - summary.samples
+        return {"cache hit rate": summary.counts.get("cache_hits", 0) / could_hit if could_hit > 0 else None,
+                "tokens/forward": summary.tokens_per_step, "theoretical x": cls.theoretical_speedup(summary),
+                "modeled x": cls.modeled_speedup(summary), "wall-clock x": summary.wall_clock_speedup}
+
+    def __init__(self, target, params: SSDParams, stop_ids, checkpoint=None, head=None):
+        super().__init__(target, params, stop_ids, checkpoint)
+        # The synchronous method with the same head and k: its verification forward is SSD's.
+        self.eagle = EAGLE3(target, EagleParams(m=params.k, ttt=params.ttt), stop_ids, checkpoint, head=head)
+        self.head = self.eagle.head
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        timer = Timer(self.target.device)
+        first, captured = self.eagle.prefill(prompt_ids, sampler, timer)
+        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.eagle._verify)
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """The real rounds (drafts, cache, fallbacks) with the trajectory in place of the target's verification:
+        exact at T=0. At T>0 a sampled chain's acceptance depends on p off the trajectory, which a replay lacks."""
+        if not sampler.greedy:
+            raise HarnessError("ssd --simulate is exact only at T=0 (sampled chains need the target's distributions "
+                               "off the trajectory); run it without --simulate")
+        return rounds_on_trajectory(
+            lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
+                                                              verify),
+            self.target, prompt_ids, trajectory, self.eagle.layers, sampler)
+
+    def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
+                timer: Timer, verify) -> Generation:
+        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback."""
+        k = self.params.k
+        with timer("prefill"):
+            head = _Head.started(self.head, self.target.max_len, prompt_ids, first, captured)
+        output, accepted, position_accepts = [first], [], [0] * k
+        rounds = _Round(hits=[])
+        base = len(prompt_ids)  # position of the newest committed token
+        drafts, cached = None, False  # nothing is cached before the first round
+        with timer("decode"):
+            while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
+                before = dict(timer.totals)
+                if drafts is None:
+                    drafts = self._fallback(head, base, sampler, timer)
+                    rounds.fallback_drafts += len(drafts) > 0
+                rounds.hits.append(int(cached))
+                with timer("speculate"):
+                    cache = self._speculate(head, base, drafts, sampler)
+                with timer("verify"):
+                    path, bonus, features = verify(drafts, output[-1], base, sampler)
+                new = commit(output, [drafts[i].token for i in path] + [bonus], max_new_tokens, self.stop_ids)
+                accepted.append(len(new))
+                for j in range(min(len(path), len(new))):
+                    position_accepts[j] += 1
+                with timer("head_update"):
+                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
+                base += len(new)
+                rounds.speculated += len(cache)
+                drafts = cache.get((len(path), bonus))
+                cached = drafts is not None
+                rounds.modeled += _modeled(before, timer.totals)
+        return Generation(
+            output_ids=output,
+            steps=len(accepted),
+            accepted=accepted,
+            position_accepts=position_accepts,
+            timing={**timer.totals, "modeled": rounds.modeled},
+            stats={"hits": rounds.hits, "cache_hits": sum(rounds.hits), "fallback_drafts": rounds.fallback_drafts,
+                   "speculated": rounds.speculated,
+                   "draft": {"num_layers": self.target.num_layers, "ls": 1, "m": k, "width": 1}},
+        )
+
+    # --- drafting -------------------------------------------------------------------------------------------------
+    def _fallback(self, head: _Head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
+        """The drafts of a round nothing was cached for: k drafted now (jit), or none."""
+        if self.params.fallback == "none":
+            return []
+        with timer("fallback"):
+            nodes: list[Node] = []
+            self._extend(head, nodes, [-1], base, sampler)
+        return nodes
+
+    def _speculate(self, head: _Head, base: int, drafts: list[Node], sampler: Sampler) -> dict[tuple, list[Node]]:
+        """The speculation cache of the next round: {(accepted count, bonus token): its k drafts}."""
+        nodes = [Node(d.token, i - 1, i + 1, q=d.q) for i, d in enumerate(drafts)]
+        for i in range(len(nodes)):  # the head's own states for this round's drafts
+            nodes[i].state = head.draft_rows(nodes, [i], base)
+        states = torch.cat([head.root] + [n.state for n in nodes], dim=1)
+        logits = self._logits(states, [base + 1 + a for a in range(len(nodes) + 1)])  # after a accepted drafts
+        outcomes = []
+        for accepted, row in enumerate(logits):
+            if accepted < len(nodes):  # had the target chosen the draft, it would have been accepted
+                row = row.clone()
+                row[nodes[accepted].token] = float("-inf")
+            guesses = torch.topk(row, min(self.params.fan_outs[accepted], row.shape[-1])).indices.tolist()
+            for token in guesses:
+                outcomes.append((accepted, token, len(nodes)))
+                nodes.append(Node(token, accepted - 1, accepted + 1))
+        chains = self._extend(head, nodes, [index for _, _, index in outcomes], base, sampler)
+        return {(accepted, token): chain for (accepted, token, _), chain in zip(outcomes, chains)}
+
+    def _extend(self, head: _Head, nodes: list[Node], frontier: list[int], base: int, sampler: Sampler
+                ) -> list[list[Node]]:
+        """k drafts below each frontier node (-1: the root), all frontier rows in each head call; returns each
+        chain as a fresh round of drafts (parents and depths from 1)."""
+        chains: list[list[Node]] = [[] for _ in frontier]
+        for step in range(self.params.k):
+            if step or frontier != [-1]:
+                states = head.draft_rows(nodes, frontier, base)
+                for i, index in enumerate(frontier):
+                    nodes[index].state = states[:, i: i + 1]
+            rows = torch.cat([nodes[i].state if i >= 0 else head.root for i in frontier], dim=1)
+            positions = [base + 1 + (nodes[i].depth if i >= 0 else 0) for i in frontier]
+            tokens, qs = self._draw(self._logits(rows, positions), sampler)
+            children = []
+            for chain, parent, token, q in zip(chains, frontier, tokens, qs):
+                depth = nodes[parent].depth + 1 if parent >= 0 else 1
+                nodes.append(Node(token, parent, depth, q=q))
+                children.append(len(nodes) - 1)
+                chain.append(Node(token, len(chain) - 1, len(chain) + 1, q=q))
+            frontier = children
+        return chains
+
+    def _logits(self, states: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The head's full-vocabulary draft logits [R, V] for head states [1, R, D], row r drafting the token at
+        positions[r] (tests steer the drafter by position)."""
+        return self.head.full_vocab(self.head.head_logits(states))[0]
+
+    def _draw(self, logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], list]:
+        """One draft per row of logits [R, V]: the argmax at T=0, else a sample of Saguaro's q (kept for the p/q
+        rule)."""
+        if sampler.greedy:
+            return logits.argmax(-1).tolist(), [None] * len(logits)
+        q = saguaro(sampler.probs(logits), self.params.saguaro_x, self.params.fan_out)
+        tokens = torch.multinomial(q, 1, generator=sampler.generator)[:, 0].tolist()
+        return tokens, list(q)
+
+
+def _modeled(before: dict[str, float], after: dict[str, float]) -> float:
+    """One round with the drafter on its own device: the cache is drafted while the target verifies."""
+    spent = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    return max(spent.get("verify", 0.0), spent.get("speculate", 0.0)) + spent.get("head_update", 0.0) + \
+        spent.get("fallback", 0.0)

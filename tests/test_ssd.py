@@ -1,0 +1,141 @@
+"""SSD on tiny models: token-identical to greedy AR at T=0 through cache hits, misses and both fallbacks; the target
+distribution at T=1 with and without Saguaro sampling; the replay equal to execution at T=0."""
+
+import pytest
+import torch
+from tiny_models import flat_target, sampled_joint_tv, tiny_model
+
+from harness.errors import HarnessError
+from harness.target import TargetRuntime
+from methods.base import build_method, parse_params
+from methods.eagle_head import EagleConfig, EagleHead
+from methods.sampling import Sampler, SamplingConfig
+from methods.ssd import SSD, SSDParams, saguaro
+
+GREEDY = SamplingConfig()
+
+
+def _ssd(model, max_len=512, **params):
+    target = TargetRuntime(model, max_len=max_len)
+    head = EagleHead(EagleConfig(ttt=3, num_layers=model.config.num_hidden_layers), target).eval()
+    return target, SSD(target, SSDParams(ttt=3, **params), set(), head=head)
+
+
+class Oracle(SSD):
+    """Drafts (and guesses) the greedy reference token first with probability `hit_rate` per row."""
+
+    def __init__(self, inner: SSD, reference: dict[int, int], hit_rate: float):
+        self.__dict__.update(inner.__dict__)
+        self.reference, self.hit_rate = reference, hit_rate
+        self.rng = torch.Generator().manual_seed(0)
+
+    def _logits(self, states, positions):
+        logits = super()._logits(states, positions).clone()
+        for row, position in enumerate(positions):
+            right = self.reference.get(position)
+            if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
+                logits[row] = -10.0
+                logits[row, right] = 10.0
+        return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("fallback", ["jit", "none"])
+@pytest.mark.parametrize("hit_rate", [0.0, 0.7, 1.0])
+def test_greedy_output_is_token_identical_to_ar_through_hits_misses_and_fallbacks(arch, fallback, hit_rate):
+    model = tiny_model(arch)
+    target, method = _ssd(model, k=3, fan_out=2, fallback=fallback, saguaro_x=0.5)
+    ar = build_method("autoregressive", target, {}, set())
+    hits = misses = 0
+    for prompt in ([7], [3, 4], list(range(10, 19))):
+        reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
+        oracle = Oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
+        generation = oracle.generate(prompt, 24, Sampler(GREEDY))
+        assert generation.output_ids == reference
+        assert sum(generation.accepted) == len(reference) - 1 and generation.steps == len(generation.stats["hits"])
+        stats = generation.stats
+        assert stats["cache_hits"] == sum(stats["hits"]) and stats["hits"][0] == 0  # nothing cached before round 1
+        hits += stats["cache_hits"]
+        misses += generation.steps - stats["cache_hits"]
+        assert stats["fallback_drafts"] == (0 if fallback == "none" else generation.steps - stats["cache_hits"])
+        if hit_rate == 1.0:  # every draft and every guess right: all k accepted, and every later round a hit
+            assert stats["cache_hits"] == generation.steps - 1
+            assert generation.accepted[0] == (1 if fallback == "none" else 4)  # "none" verifies no drafts first
+            assert all(count == 4 for count in generation.accepted[1:-1])
+    if hit_rate == 0.7:
+        assert hits > 0 and misses > 0
+
+
+def test_a_cache_hit_skips_drafting_and_counts_in_the_modeled_time():
+    model = tiny_model("llama")
+    target, method = _ssd(model, k=3, fan_out=2)
+    reference = build_method("autoregressive", target, {}, set()).generate([5, 6], 20, Sampler(GREEDY)).output_ids
+    generation = Oracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0).generate([5, 6], 20, Sampler(GREEDY))
+    timing = generation.timing
+    assert generation.stats["fallback_drafts"] == 1  # the first round only
+    assert 0 < timing["modeled"] < timing["decode"]  # drafting hidden behind verification, not added to it
+    assert timing["modeled"] >= timing["verify"] + timing["head_update"]
+
+
+def test_the_replay_equals_execution_at_t0_and_refuses_t1():
+    model = tiny_model("llama")
+    target, method = _ssd(model, k=3, fan_out=2)
+    ar = build_method("autoregressive", target, {}, set())
+    for prompt in ([7], list(range(10, 19))):
+        reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
+        oracle = Oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+        executed = oracle.generate(prompt, 24, Sampler(GREEDY))
+        oracle.rng.manual_seed(0)
+        simulated = oracle.simulate(prompt, reference, 24, Sampler(GREEDY))
+        assert (simulated.output_ids, simulated.accepted) == (executed.output_ids, executed.accepted)
+        assert simulated.stats["hits"] == executed.stats["hits"]
+    with pytest.raises(HarnessError, match="only at T=0"):
+        method.simulate([7], reference, 24, Sampler(SamplingConfig(temperature=1.0)))
+
+
+@pytest.mark.parametrize("x, fallback", [(1.0, "jit"), (0.3, "jit"), (0.3, "none")])
+def test_sampled_tokens_follow_the_target_distribution(x, fallback):
+    """T=1, with and without Saguaro sampling: tokens 1 and 2 come from round one or, through the cache, round two."""
+    vocab = 4
+    model = flat_target(vocab)
+    _, method = _ssd(model, k=2, fan_out=2, saguaro_x=x, fallback=fallback)
+    with torch.no_grad():  # a head far from the target, so a wrong rule would show
+        method.head.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))
+    assert sampled_joint_tv(method, model, vocab) < 0.07
+
+
+def test_saguaro_scales_the_top_probabilities_and_stays_a_distribution():
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]])
+    scaled = saguaro(probs, 0.5, fan_out=1)  # the top 2 scaled by 0.5
+    expected = torch.tensor([[0.25, 0.15, 0.1, 0.06, 0.04]]) / 0.6
+    assert torch.allclose(scaled, expected) and saguaro(probs, 1.0, 3) is probs
+
+
+def test_parameters_are_checked_and_numbers_parse_from_words():
+    assert parse_params(SSD, {"k": 2, "saguaro_x": "0.5", "fan_out_list": "3,2,1"}).saguaro_x == 0.5
+    assert SSDParams(k=2, fan_out_list="3,2,1").fan_outs == [3, 2, 1]
+    for bad, message in [({"k": 2, "fan_out_list": "3,2"}, "k \\+ 1 = 3"), ({"fallback": "draft"}, "fallback"),
+                         ({"saguaro_x": 0.0}, "saguaro_x"), ({"k": 8, "fan_out": 8}, "rows per round")]:
+        with pytest.raises(ValueError, match=message):
+            SSDParams(**bad)
+    with pytest.raises(ValueError, match="wants a number"):
+        parse_params(SSD, {"saguaro_x": "fast"})
+
+
+def test_the_report_gives_ssd_its_own_table():
+    from harness.metrics import OVERALL, summarize
+    from harness.report import family_tables
+
+    row = {"config_key": "ssd", "method": "ssd", "params": {"k": 3}, "model": {"name": "m"}, "simulated": False,
+           "temperature": 0.0, "dataset": "gsm8k", "question_id": 0, "new_tokens": 11, "steps": 5,
+           "accepted": [4, 1, 2, 2, 1], "position_accepts": [3, 1, 1],
+           "timing": {"decode": 2.0, "modeled": 1.0, "verify": 0.8}, "lossless": {"checked": True, "identical": True},
+           "baseline": {"new_tokens": 11, "timing": {"decode": 2.0}},
+           "stats": {"hits": [0, 1, 1, 0, 1], "cache_hits": 3, "fallback_drafts": 2,
+                     "draft": {"num_layers": 30, "ls": 1, "m": 3, "width": 1}}}
+    overall = [s for s in summarize([row]) if s.dataset == OVERALL]
+    (table,) = family_tables(overall)
+    assert table.title == "ssd figures" and table.header[3:] == ["cache hit rate", "tokens/forward", "theoretical x",
+                                                                 "modeled x", "wall-clock x"]
+    # 3 hits in the 4 rounds that could hit; tau = 10 / 5; 2 of 5 rounds drafted 3 tokens: 2 * 30 / (30 + 0.4 * 3)
+    assert table.rows[0][3:] == ["0.75", "2.00", f"{60 / 31.2:.2f}", "2.00", "1.00"]
