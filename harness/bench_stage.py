@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from harness.results import ResultStore
+from harness.results import ResultStore, config_key
 from harness.runner import versions
 from harness.target import TargetRuntime
 from methods.speculator import stage_bounds
@@ -39,6 +39,7 @@ class StageCost:
     kv_bytes_per_branch: int  # keys + values of one token in this stage's attention layers
     linear_bytes_per_branch: int  # conv + recurrent state of one branch in this stage's linear layers
     versions: dict
+    config_key: str  # the model, split, width, dtype and device measured
 
 
 def bench_stages(target: TargetRuntime, model_name: str, n: int, widths: list[int], prompt_len: int,
@@ -59,7 +60,9 @@ def bench_stages(target: TargetRuntime, model_name: str, n: int, widths: list[in
                     "bench-stage", model_name, target.device.type, str(target.dtype).removeprefix("torch."), n, stage,
                     hi - lo, sum(t == "linear_attention" for t in target.layer_types[lo:hi]), width, prompt_len,
                     repeats, 1000 * statistics.median(seconds), _kv_bytes(target, lo, hi),
-                    _linear_bytes(target, lo, hi, prompt_len + width - 1), versions()))
+                    _linear_bytes(target, lo, hi, prompt_len + width - 1), versions(),
+                    config_key({"kind": "bench-stage", "model": model_name, "n": n, "stage": stage, "width": width,
+                                "prompt_len": prompt_len, "dtype": str(target.dtype), "device": target.device.type})))
     return results
 
 

@@ -15,6 +15,7 @@ def test_stage_bench_times_every_stage_at_every_width_and_sizes_a_branch(tmp_pat
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted((r["stage"], r["width"]) for r in rows) == [(0, 1), (0, 4), (1, 1), (1, 4)]
     assert all(r["median_ms"] > 0 and r["linear_layers"] > 0 for r in rows)
+    assert len({r["config_key"] for r in rows}) == 4  # a results file the report's reader accepts
     # tiny Qwen3.5 per linear layer: conv (2 key + 4 value heads of 16) channels x kernel 4, recurrent 4 x 16 x 16, fp32
     per_layer = (2 * 2 * 16 + 4 * 16) * 4 * 4 + 4 * 16 * 16 * 4
     assert all(r["linear_bytes_per_branch"] == per_layer * r["linear_layers"] for r in rows)
