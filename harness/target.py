@@ -58,6 +58,7 @@ class StateCache:
         self.write: slice | torch.Tensor = slice(0, 0)
         self.kv_end = 0
         self._call = _LinearCall(0, -1, [], [])
+        self._rows: list[_Row] | None = None  # the states the current linear-layer call continues
         self._conv_in: torch.Tensor | None = None
         self._conv_out: torch.Tensor | None = None
 
@@ -117,13 +118,13 @@ class StateCache:
         self._call = _LinearCall(position, position, parents, labels)
 
     def get_conv_state(self, layer_idx, state_idx=0):
-        rows = self._continued(layer_idx)
-        self._conv_in = None if rows is None else _stack([r.conv for r in rows])
+        # HF's layer asks for the conv state, then the recurrent one: the rows are looked up once, here.
+        self._rows = self._continued(layer_idx)
+        self._conv_in = None if self._rows is None else _stack([r.conv for r in self._rows])
         return self._conv_in
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        rows = self._continued(layer_idx)
-        return None if rows is None else _stack([r.recurrent for r in rows])
+        return None if self._rows is None else _stack([r.recurrent for r in self._rows])
 
     def is_recording_past(self, layer_idx):
         # Forces HF's functional conv path, so stored states are never modified in place.
