@@ -568,6 +568,10 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
               help="EAGLE-3 heads: the harness's layer, or the EAGLE-3 authors' (exportable with export-head).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Target tokens to train on (shared by every drafter of this run).")
+@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Passes over --tokens; the teacher runs once per chunk, later passes read its outputs from disk.")
+@click.option("--feature-cache/--no-feature-cache", default=True, show_default=True,
+              help="Keep the teacher's outputs in the cache (features/), reused by later epochs and runs.")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--lr", type=float, default=1e-4, show_default=True)
@@ -588,8 +592,8 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @model_option
 @device_option
 @dtype_option
-def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, tokens, seq_len, batch_size, lr, draft_vocab,
-          save_every, val_prompts, corpus, init, autocast, resume, model, device, dtype):
+def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, tokens, epochs, feature_cache, seq_len,
+          batch_size, lr, draft_vocab, save_every, val_prompts, corpus, init, autocast, resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
@@ -598,11 +602,13 @@ def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, tok
     shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
                                                 ("ttt", ttt_values)) if v is not None)
     shape += "" if eagle_layout == "harness" else f" --eagle-layout {eagle_layout}"
-    config = TrainConfig(drafters=specs, model=model, tokens=tokens, seq_len=seq_len, batch_size=batch_size, lr=lr,
+    config = TrainConfig(drafters=specs, model=model, tokens=tokens, epochs=epochs, feature_cache=feature_cache,
+                         seq_len=seq_len, batch_size=batch_size, lr=lr,
                          draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, corpus=corpus,
                          init=init, autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
-                                  f"--tokens {tokens} --seq-len {seq_len} --batch-size {batch_size} --lr {lr} "
+                                  f"--tokens {tokens} --epochs {epochs} --seq-len {seq_len} --batch-size {batch_size} "
+                                  f"--lr {lr} "
                                   f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} "
                                   f"--init {init} "
                                   f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"

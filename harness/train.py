@@ -21,6 +21,7 @@ from tqdm import tqdm
 from harness import checkpoints
 from harness.corpus import conversations, encode
 from harness.errors import HarnessError
+from harness.features import FeatureCache, draft_probabilities, teacher_pass
 from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.models import LoadedModel, load_model
 from methods.objectives import EagleSpec, PipelineSpec
@@ -37,6 +38,8 @@ class TrainConfig:
     drafters: list[DrafterSpec]  # PipelineSpec and EagleSpec (harness/objectives.py)
     model: str = "smollm2-135m"
     tokens: int = 1_000_000  # target tokens through the teacher
+    epochs: int = 1  # passes over those tokens; later passes read the teacher's outputs from the feature cache
+    feature_cache: bool = True  # keep the teacher's outputs on disk (harness/features.py) for later epochs and runs
     seq_len: int = 256
     batch_size: int = 4
     lr: float = 1e-4
@@ -60,8 +63,21 @@ class TrainConfig:
     command: str = ""
 
     @property
-    def steps(self) -> int:
+    def steps_per_epoch(self) -> int:
         return max(1, math.ceil(self.tokens / (self.seq_len * self.batch_size)))
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def batch_chunks(self, step: int) -> list[int]:
+        """Chunk indices of a step's batch: the first epoch in corpus order, each later one in a seeded shuffle
+        (so a resumed run visits exactly what an uninterrupted one would)."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = list(range(self.steps_per_epoch * self.batch_size))
+        if epoch:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order[within * self.batch_size:(within + 1) * self.batch_size]
 
 
 @dataclass
@@ -109,16 +125,6 @@ def draft_vocabulary(loaded: LoadedModel, convs: list[list[dict]], chunks: list[
         counts.update(assistant)
         counted += len(assistant)
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)))
-
-
-def teacher(target: TargetRuntime, ids: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
-    """Frozen target on a batch [B, S]: next-token logits [B, S, V] and hidden states at `layers`."""
-    target.reset()
-    h = target.backbone.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    h, captured = target.run_layers(0, target.num_layers, h, positions, capture=layers)
-    # Drafters train in float32 whatever the target's dtype (bf16 on GPUs): hand them float32 features.
-    return target.model.lm_head(target.backbone.norm(h)).float(), {k: v.float() for k, v in captured.items()}
 
 
 class DrafterTrainer:
@@ -234,7 +240,7 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
 
 def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
     """The run's token budget in chunks, taken from the corpus in order (regenerated lazily for --corpus self)."""
-    needed = config.steps * config.batch_size
+    needed = config.steps_per_epoch * config.batch_size
     source = iter(convs) if config.corpus == "sharegpt" else \
         self_distilled(loaded, convs, config.reply_tokens, stop_ids(loaded))
     chunks: list[Chunk] = []
@@ -276,26 +282,26 @@ def train(config: TrainConfig) -> list[Path]:
     start, start_steps = min(t.step for t in trainers), {id(t): t.step for t in trainers}
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True)
+    cache = FeatureCache(target, config.corpus, config.seq_len, layers, draft_ids, store=config.feature_cache)
     began = time.perf_counter()
     for step in range(start, config.steps):
-        batch = chunks[step * config.batch_size:(step + 1) * config.batch_size]
-        ids = torch.stack([c.ids for c in batch]).to(target.device)
-        mask = torch.stack([c.loss_mask for c in batch]).to(target.device)
+        index = config.batch_chunks(step)
+        ids = torch.stack([chunks[i].ids for i in index]).to(target.device)
+        mask = torch.stack([chunks[i].loss_mask for i in index]).to(target.device)
         with torch.no_grad():
-            logits, features = teacher(target, ids, layers)
-            p = torch.softmax(logits, dim=-1)
-            p_draft = p if draft_ids is None else p[..., draft_ids.to(p.device)]
+            taught = cache.batch(index, ids)
         rng = random.Random(config.seed * 1_000_003 + step)
         postfix = {}
         for trainer in trainers:
             if trainer.step > step:
                 continue
-            stats = trainer.train_step(features, ids, p_draft, mask, rng)
+            stats = trainer.train_step(taught.features, ids, taught.p_draft, mask, rng)
             trainer.tokens += ids.numel()
             postfix[f"{trainer.spec.method}-{trainer.spec.tag}"] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
         done = step + 1
         tokens_s = (done - start) * ids.numel() / (time.perf_counter() - began)
-        bar.set_postfix(tok_s=f"{tokens_s:.0f}", **postfix)
+        bar.set_postfix(tok_s=f"{tokens_s:.0f}", epoch=step // config.steps_per_epoch + 1, cached=cache.read,
+                        **postfix)
         bar.update()
         if done % config.save_every == 0 or done == config.steps:
             trained = [t for t in trainers if t.step == done and done > start_steps[id(t)]]  # not one resumed done
@@ -332,9 +338,9 @@ def _teacher_inputs(target: TargetRuntime, chunks: list[Chunk], layers) -> tuple
     features, probs = [], []
     with torch.no_grad():
         for chunk in chunks:
-            logits, captured = teacher(target, chunk.ids[None].to(target.device), layers)
+            captured, final, lse = teacher_pass(target, chunk.ids[None].to(target.device), layers)
             features.append(captured)
-            probs.append(torch.softmax(logits[0], dim=-1))
+            probs.append(draft_probabilities(target, final[0], lse[0], None))
     return features, probs
 
 

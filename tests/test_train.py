@@ -144,7 +144,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     from harness.models import ModelIdentity
     from methods.objectives import EagleSpec, PipelineSpec
     from harness.target import TargetRuntime
-    from harness.train import teacher
+    from harness.features import teacher_pass
     from tiny_models import tiny_model
 
     with torch.inference_mode(False), torch.enable_grad():  # as inside harness.train.train
@@ -154,7 +154,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
         module = spec.build(target, None).float().train()
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            _, features = teacher(target, ids, module.config.all_feature_layers())
+            features, _, _ = teacher_pass(target, ids, module.config.all_feature_layers())
         predictions = spec.predictions(module, features, ids, random.Random(0), 0.5)
         sum(p.logits.logsumexp(-1).mean() for p in predictions).backward()
     assert all(p.logits.dtype == torch.float32 for p in predictions)
@@ -170,8 +170,9 @@ def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cach
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["drafter"] for r in rows] == ["spd-n2-ls1-input", "eagle3-ttt2"]
     for r in rows:
-        assert r["teacher_tokens_s"] > 0 and r["drafter_tokens_s"] > 0
+        assert r["teacher_tokens_s"] > 0 and r["drafter_tokens_s"] > 0 and r["read_tokens_s"] > 0
         assert r["alone_tokens_s"] < min(r["teacher_tokens_s"], r["drafter_tokens_s"])
+        assert r["cached_tokens_s"] < min(r["read_tokens_s"], r["drafter_tokens_s"])
 
 
 def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir, tmp_path, cache, monkeypatch):  # noqa: F811
@@ -252,3 +253,66 @@ def test_a_second_run_adds_drafters_beside_a_finished_one_without_touching_it(ti
     records = [json.loads(line) for line in (tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text()
                .splitlines()]
     assert [r["config_key"] for r in records] == ["spd-n2-ls1-input", "spd-n2-ls1-output", "ppsd-n2-ls1-output"]
+
+
+def test_feature_cache_reads_back_what_the_teacher_computed(tmp_path):
+    """Stored teacher outputs read back equal to a computed visit (bf16 features, exact draft probabilities); a
+    file lacking a layer asked for is recomputed with the union of layers; a torn or foreign file is a miss."""
+    import torch
+
+    from harness.features import FeatureCache, teacher_pass
+    from harness.models import ModelIdentity
+    from harness.target import TargetRuntime
+    from tiny_models import tiny_model
+
+    target = TargetRuntime(tiny_model("llama"), max_len=32, identity=ModelIdentity("tiny", "0" * 64))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    draft_ids = torch.arange(0, 256, 3)
+    with torch.no_grad():
+        cache = FeatureCache(target, "self", 16, (0, 2), draft_ids, root=tmp_path)
+        computed = cache.batch([5, 7], ids)
+        read = cache.batch([5, 7], ids)
+        assert (cache.computed, cache.read) == (2, 2)
+        for layer in (0, 2):
+            assert torch.equal(computed.features[layer], read.features[layer])
+        assert torch.equal(computed.p_draft, read.p_draft)
+        _, final, _ = teacher_pass(target, ids, ())
+        full = torch.softmax(target.model.lm_head(final).float(), dim=-1)
+        torch.testing.assert_close(read.p_draft, full[..., draft_ids], atol=1e-6, rtol=1e-4)
+
+        wider = FeatureCache(target, "self", 16, (1,), draft_ids, root=tmp_path)
+        wider.batch([5], ids[:1])
+        assert wider.computed == 1
+        again = FeatureCache(target, "self", 16, (0, 1, 2), draft_ids, root=tmp_path)
+        again.batch([5], ids[:1])
+        assert (again.computed, again.read) == (0, 1)  # chunk 5 now holds layers 0, 1 and 2
+
+        (tmp_path / "chunk-0000007.safetensors").write_bytes(b"torn")
+        other = FeatureCache(target, "self", 16, (0, 2), draft_ids, root=tmp_path)
+        other.batch([7, 5], torch.stack([ids[1], ids[1]]))  # 7 is torn, 5 holds other ids
+        assert (other.computed, other.read) == (2, 0)
+
+
+def test_epochs_revisit_the_budget_from_the_feature_cache(tiny_dir, tmp_path, cache):  # noqa: F811
+    """--epochs 2 trains twice the steps over the same chunks; the second pass reads every chunk from disk (the
+    teacher ran once per chunk), in a seeded shuffle that a resumed run repeats."""
+    from harness.train import TrainConfig
+
+    train = ["train", "--model", str(tiny_dir), "--n", "2", "--ls", "1", "--seq-len", "32", "--batch-size", "2",
+             "--draft-vocab", "512", "--save-every", "2", "--val-prompts", "0", "--tokens", "128", "--epochs", "2"]
+    result = CliRunner().invoke(main, train)
+    assert result.exit_code == 0, result.output
+    (checkpoint,) = (tmp_path / "cache" / "drafters").glob("*/spd-n2-ls1-input")
+    saved = json.loads((checkpoint / "config.json").read_text())["train"]
+    assert saved["step"] == 4 and saved["tokens"] == 256 and "--epochs 2" in saved["config"]["command"]
+    (features,) = (tmp_path / "cache" / "features").glob("*/sharegpt-s32")
+    assert len(list(features.glob("chunk-*.safetensors"))) == 4  # 128 tokens: 4 chunks of 32, each passed once
+
+    config = TrainConfig(drafters=[], tokens=128, seq_len=32, batch_size=2, epochs=3)
+    first = [i for step in range(2) for i in config.batch_chunks(step)]
+    assert first == [0, 1, 2, 3]
+    later = [sorted(i for step in range(2 * e, 2 * e + 2) for i in config.batch_chunks(step)) for e in (1, 2)]
+    assert later == [[0, 1, 2, 3]] * 2
+    resumed = TrainConfig(drafters=[], tokens=128, seq_len=32, batch_size=2, epochs=3)  # a resumed run's config
+    assert [resumed.batch_chunks(s) for s in range(2, 6)] == [config.batch_chunks(s) for s in range(2, 6)]
+    assert config.batch_chunks(2) + config.batch_chunks(3) != first  # later epochs are shuffled (seeded)
