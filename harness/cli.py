@@ -533,13 +533,13 @@ def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, de
 
 
 def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, ttt_values: str,
-                   eagle_layout: str = "harness") -> list:
+                   eagle_layout: str = "harness", aggr_bounds: str | None = None) -> list:
     """Every drafter a train command asks for; each family turns the listed values into its drafters."""
     from methods.base import REGISTRY
 
     trainable = sorted(name for name, cls in REGISTRY.items() if cls.trainable)
     values = {"n": _values(n_values), "ls": _values(ls_values), "schedule": _values(schedules, str),
-              "ttt": _values(ttt_values), "layout": [eagle_layout]}
+              "ttt": _values(ttt_values), "layout": [eagle_layout], "aggr_bounds": _values(aggr_bounds)}
     if any(v < 1 for key in ("n", "ls", "ttt") for v in values[key]):
         raise click.BadParameter("--n, --ls and --ttt must be positive")
     specs = []
@@ -566,6 +566,9 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
               help="EAGLE-3 training-time-test steps (comma list trains several heads; run them with --param ttt=N).")
 @click.option("--eagle-layout", type=click.Choice(["harness", "eagle3"]), default="harness", show_default=True,
               help="EAGLE-3 heads: the harness's layer, or the EAGLE-3 authors' (exportable with export-head).")
+@click.option("--aggr-bounds", default=None,
+              help="SPD drafters: hidden-state indices 0 < b1 < ... whose cumulative features the projections read, "
+                   "shared between depths as in the reference (default: one projection per depth).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Target tokens to train on (shared by every drafter of this run).")
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True,
@@ -592,15 +595,17 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @model_option
 @device_option
 @dtype_option
-def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, tokens, epochs, feature_cache, seq_len,
-          batch_size, lr, draft_vocab, save_every, val_prompts, corpus, init, autocast, resume, model, device, dtype):
+def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, aggr_bounds, tokens, epochs,
+          feature_cache, seq_len, batch_size, lr, draft_vocab, save_every, val_prompts, corpus, init, autocast, resume,
+          model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
 
-    specs = _drafter_specs(methods, n_values, ls_values, schedules, ttt_values, eagle_layout)
-    shape = " ".join(f"--{k} {v}" for k, v in (("n", n_values), ("ls", ls_values), ("schedule", schedules),
-                                                ("ttt", ttt_values)) if v is not None)
+    specs = _drafter_specs(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, aggr_bounds)
+    shape = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (
+        ("n", n_values), ("ls", ls_values), ("schedule", schedules), ("ttt", ttt_values),
+        ("aggr_bounds", aggr_bounds)) if v is not None)
     shape += "" if eagle_layout == "harness" else f" --eagle-layout {eagle_layout}"
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, epochs=epochs, feature_cache=feature_cache,
                          seq_len=seq_len, batch_size=batch_size, lr=lr,

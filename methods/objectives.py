@@ -57,6 +57,7 @@ class PipelineSpec:
     ls: int
     schedule: str
     policy: str
+    aggr_bounds: tuple[int, ...] = ()  # shared projections (the reference's aggregation); empty: one per depth
     group_name = "fill"
     config_name = "speculator"
 
@@ -72,9 +73,14 @@ class PipelineSpec:
     def groups(self) -> int:
         return self.n
 
+    def __post_init__(self):
+        SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule, policy=self.policy,
+                         aggr_bounds=self.aggr_bounds)  # a bad shape fails here, as the train command's usage error
+
     def build(self, target, draft_ids) -> Speculator:
         config = SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule, policy=self.policy,
                                   num_layers=target.num_layers, target=target.identity.to_dict(),
+                                  aggr_bounds=self.aggr_bounds,
                                   draft_vocab_size=None if draft_ids is None else len(draft_ids))
         return Speculator(config, target, draft_ids)
 

@@ -58,12 +58,14 @@ class SPD(Method):
 
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:
-        """n x Ls x schedule (defaults: the family's parameter defaults)."""
+        """n x Ls x schedule (defaults: the family's parameter defaults), each with the aggregation bounds given
+        (shared projections, e.g. to fit a drafter under the size shipped in the repository)."""
         from methods.objectives import PipelineSpec
 
         default = cls.Params()
         schedules = cls.train_schedules(values.get("schedule") or [default.schedule])
-        return [PipelineSpec(cls.name, n, ls, schedule, cls.policy) for n in values.get("n") or [default.n]
+        bounds = tuple(values.get("aggr_bounds") or ())
+        return [PipelineSpec(cls.name, n, ls, schedule, cls.policy, bounds) for n in values.get("n") or [default.n]
                 for ls in values.get("ls") or [default.ls] for schedule in schedules]
 
     @classmethod

@@ -316,3 +316,28 @@ def test_epochs_revisit_the_budget_from_the_feature_cache(tiny_dir, tmp_path, ca
     resumed = TrainConfig(drafters=[], tokens=128, seq_len=32, batch_size=2, epochs=3)  # a resumed run's config
     assert [resumed.batch_chunks(s) for s in range(2, 6)] == [config.batch_chunks(s) for s in range(2, 6)]
     assert config.batch_chunks(2) + config.batch_chunks(3) != first  # later epochs are shuffled (seeded)
+
+
+def test_shared_projections_train_and_decode_losslessly(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
+    """--aggr-bounds trains the reference's shared projections (fewer, smaller: what fits a shipped flagship); the
+    drafter keeps them and decodes losslessly; bounds that do not rise from 0 are a usage error."""
+    shape = ["--method", "spd", "--n", "4", "--ls", "1", "--model", str(tiny_dir)]
+    train = ["train", *shape, "--seq-len", "32", "--batch-size", "2", "--draft-vocab", "512", "--tokens", "64",
+             "--val-prompts", "0"]
+    bad = CliRunner().invoke(main, [*train, "--aggr-bounds", "1,2"])
+    assert bad.exit_code == 2 and "aggregation bounds" in bad.output
+    result = CliRunner().invoke(main, [*train, "--aggr-bounds", "0,2"])
+    assert result.exit_code == 0, result.output
+    (checkpoint,) = (tmp_path / "cache" / "drafters").glob("*/spd-n4-ls1-input")
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert saved["speculator"]["aggr_bounds"] == [0, 2] and "--aggr-bounds 0,2" in saved["train"]["config"]["command"]
+    from safetensors.torch import load_file
+
+    widths = {k: v.shape[1] for k, v in load_file(checkpoint / "model.safetensors").items() if k.startswith("proj")}
+    assert widths == {"projections.0.weight": 64, "projections.1.weight": 128}  # [h0] and [h0, h2] (hidden 64)
+
+    out = tmp_path / "spd.jsonl"
+    run = CliRunner().invoke(main, ["run", *shape, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "8",
+                                    "--data-dir", str(eval_dir), "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    assert all(json.loads(line)["lossless"]["identical"] for line in out.read_text().splitlines())
