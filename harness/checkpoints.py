@@ -96,10 +96,17 @@ def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], folder:
         raise HarnessError(f"{Path(folder) / WEIGHTS} does not fit its config ({first}); retrain it") from None
 
 
+SHIP_LIMIT = 40_000_000  # bytes of weights a drafter shipped in the repository may take
+
+
 def ship(folder: Path, dest: Path) -> Path:
     """Copy a trained drafter into `dest` as the repository ships it: bf16 weights (the draft vocabulary stays
-    int64) and its config, without the optimiser state; written atomically."""
+    int64) and its config, without the optimiser state; written atomically, refused over SHIP_LIMIT."""
     weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_weights(folder).items()}
+    size = sum(v.numel() * v.element_size() for v in weights.values())
+    if size > SHIP_LIMIT:
+        raise HarnessError(f"{folder} takes {size / 1e6:.1f} MB in bf16, over the {SHIP_LIMIT / 1e6:.0f} MB a shipped "
+                           f"drafter may take; train a smaller one (--aggr-bounds, a smaller --draft-vocab)")
     config = load_config(folder)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))

@@ -195,6 +195,13 @@ def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     weights = load_file(folder / "model.safetensors")
     assert {str(v.dtype) for v in weights.values()} == {"torch.bfloat16", "torch.int64"}  # draft ids stay int64
+    monkeypatch.setattr(checkpoints, "SHIP_LIMIT", 1000)  # a drafter over the shipped size is refused, whole
+    before = (folder / "model.safetensors").read_bytes()
+    refused = CliRunner().invoke(main, ["ship", *shape])
+    assert refused.exit_code == 2 and "--aggr-bounds" in refused.output and len(refused.output.splitlines()) == 1
+    assert (folder / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no temporary folder left
+    monkeypatch.setattr(checkpoints, "SHIP_LIMIT", 40_000_000)
     shutil.rmtree(next((tmp_path / "cache" / "drafters").glob("*/spd-n2-ls1-input")))
 
     run = ["run", *shape, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--data-dir", str(eval_dir)]
