@@ -102,7 +102,7 @@ class FeatureCache:
             with safe_open(str(path), framework="pt") as f:
                 if not torch.equal(f.get_tensor(IDS), ids.cpu()):
                     return None
-                cached = {int(name[1:]) for name in f.keys() if name.startswith("h")}
+                cached = {int(name[1:]) for name in f.keys() if name.startswith("h")}  # noqa: SIM118 (safe_open)
                 if not set(self.layers) <= cached:  # recomputed with these layers too, so no run loses its own
                     self._kept |= cached
                     return None

@@ -1,10 +1,11 @@
-"""Starting and stopping the ranks of a distributed pipeline run.
+"""Starting and stopping the ranks of a distributed run.
 
-Two ways in. `spd-bench run ... --executor distributed` starts its own stage ranks on this machine (spawned
-processes, one per stage, a free port on the loopback); the calling process becomes rank 0, the driver. Under
-`torchrun` (several nodes) every rank runs the same command line: rank 0 drives, the others serve their stage
-(`serve_from_env`). Either way the group uses NCCL when the driver and every stage have CUDA devices of their own and
-gloo otherwise, and every wait is bounded by `--timeout`: a rank that dies or stops answering ends the run with one line.
+Two ways in. `spd-bench run ... --executor distributed` starts its own served ranks on this machine (spawned
+processes: one per pipeline stage, or SSD's drafter; a free port on the loopback); the calling process becomes rank
+0, the driver. Under `torchrun` (several nodes) every rank runs the same command line: rank 0 drives, the others
+serve (`serve_from_env`). A served rank first receives the driver's plan, which names the server it runs. Either
+way the group uses NCCL when the driver and every served rank have CUDA devices of their own and gloo otherwise, and
+every wait is bounded by `--timeout`: a rank that dies or stops answering ends the run with one line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness.errors import HarnessError
-from methods.pipeline_distributed import StageGroup, StageServer
+from methods.pipeline_distributed import StageGroup
 
 EXECUTORS = ("local", "distributed")
 
@@ -31,13 +32,14 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def stage_devices(devices: str | None, driver_device: str, n: int) -> list[str]:
-    """One device per stage from `--devices` (comma list); by default every stage on the driver's device type."""
+def stage_devices(devices: str | None, driver_device: str, n: int, why: str = "") -> list[str]:
+    """One device per served rank (a pipeline stage, SSD's drafter) from `--devices` (comma list); by default every
+    rank on the driver's device type. `why` says where the count comes from, for the error."""
     if not devices:
         return ["cpu" if driver_device == "cpu" else driver_device] * n
     listed = [d.strip() for d in devices.split(",") if d.strip()]
     if len(listed) != n:
-        raise HarnessError(f"--devices lists {len(listed)} devices but --n {n} needs one per stage")
+        raise HarnessError(f"--devices lists {len(listed)} devices but {why or f'the run serves {n} ranks'}")
     for device in listed:
         if device != "cpu" and not device.startswith("cuda"):
             raise HarnessError(f"--devices entry {device!r} is neither cpu nor cuda[:k]")
@@ -58,7 +60,7 @@ def _free_port() -> int:
 
 
 def _watch_parent(parent: int) -> None:
-    """A stage rank whose driver vanished (killed outright) exits instead of waiting out the timeout."""
+    """A served rank whose driver vanished (killed outright) exits instead of waiting out the timeout."""
 
     def watch():
         while os.getppid() == parent:
@@ -77,9 +79,11 @@ def _serve(rank: int, device: str, backend: str, init: str, world: int, timeout_
                             timeout=timedelta(seconds=timeout_s))
     wire = torch.device(device) if backend == "nccl" else torch.device("cpu")
     try:
-        StageServer(rank, device, wire).serve()
+        received = [None]
+        dist.broadcast_object_list(received, src=0)  # the driver's plan says what this rank serves
+        received[0].server(rank, device, wire).serve()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure in one line and leaves
-        print(f"error: stage rank {rank}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
+        print(f"error: rank {rank}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
               file=sys.stderr, flush=True)
         os._exit(1)
     dist.destroy_process_group()
@@ -94,21 +98,22 @@ def serve_from_env(devices: list[str], driver_device: str, timeout_s: float) -> 
     """A torchrun rank other than 0: serve stage RANK-1 on its `--devices` entry until the driver stops."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != len(devices) + 1:
-        raise HarnessError(f"torchrun started {world} ranks; --n {len(devices)} needs {len(devices) + 1}")
+        raise HarnessError(f"torchrun started {world} ranks; this run needs {len(devices) + 1} (one driver and "
+                           f"{len(devices)} served)")
     _serve(rank, devices[rank - 1], backend_for(driver_device, devices), "env://", world, timeout_s)
 
 
 @contextmanager
 def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: float):
-    """Rank 0's process group for the run: stage ranks spawned here (or already started by torchrun); on exit,
+    """Rank 0's process group for the run: served ranks spawned here (or already started by torchrun); on exit,
     however it is left, the group is torn down and no spawned process outlives it."""
     backend = backend_for(driver_device, devices)
     world = len(devices) + 1
     processes = []
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise HarnessError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; --n {len(devices)} needs {world} "
-                               f"(one driver and one per stage)")
+            raise HarnessError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; this run needs {world} (one driver "
+                               f"and {len(devices)} served)")
         init = "env://"
     else:
         init = f"tcp://127.0.0.1:{_free_port()}"

@@ -48,13 +48,15 @@ class RunConfig:
     skip_missing: bool = False
     baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
     simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
-    executor: str = "local"  # pipeline methods: "distributed" runs one process per stage (harness/launch.py)
-    devices: str | None = None  # distributed: one device per stage, comma list
+    executor: str = "local"  # "distributed": served ranks of their own (pipeline stages, SSD's drafter; launch.py)
+    devices: str | None = None  # distributed: one device per served rank, comma list
     timeout: float = 300.0  # distributed: seconds any rank may wait for another
 
     @property
     def stage_devices(self) -> list[str]:
-        return launch.stage_devices(self.devices, self.device, self.params["n"])
+        """One device per rank the method serves besides the driver."""
+        count, why = REGISTRY[self.method].served(parse_params(REGISTRY[self.method], self.params))
+        return launch.stage_devices(self.devices, self.device, count, why)
 
     @property
     def dtype_name(self) -> str:
@@ -88,15 +90,16 @@ def validate(config: RunConfig) -> None:
 
 
 def validate_executor(config: RunConfig, cls) -> None:
-    """--executor, --devices and --timeout: distributed runs pipeline methods only, one device per stage."""
+    """--executor, --devices and --timeout: distributed runs the families that serve ranks, one device each."""
     if config.executor not in launch.EXECUTORS:
         raise HarnessError(f"--executor must be one of {', '.join(launch.EXECUTORS)}, got {config.executor!r}")
     if config.executor == "local":
         if config.devices:
             raise HarnessError("--devices places the stages of --executor distributed; add it or drop --devices")
         return
-    if not hasattr(cls, "distribute"):
-        raise HarnessError(f"--executor distributed runs pipeline methods (spd, ppsd), not {config.method}")
+    if cls.served(parse_params(cls, config.params)) is None:
+        distributed = sorted(name for name, c in REGISTRY.items() if c.served(parse_params(c, {})) is not None)
+        raise HarnessError(f"--executor distributed runs {', '.join(distributed)}, not {config.method}")
     if config.simulate:
         raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
     if not config.timeout > 0:
@@ -217,7 +220,7 @@ class Runner:
             "dtype": config.dtype_name,
             "device": loaded.device.type,
             **({"simulated": True} if config.simulate else {}),
-            **({"executor": {"kind": "distributed", "world_size": config.params["n"] + 1,
+            **({"executor": {"kind": "distributed", "world_size": len(config.stage_devices) + 1,
                              "devices": config.stage_devices}} if config.executor == "distributed" else {}),
             **({"drafter": self.drafter} if self.drafter else {}),
         }

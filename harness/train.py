@@ -24,11 +24,11 @@ from harness.errors import HarnessError
 from harness.features import FeatureCache, draft_probabilities, teacher_pass
 from harness.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.models import LoadedModel, load_model
-from methods.objectives import EagleSpec, PipelineSpec
 from harness.regenerate import self_distilled
 from harness.results import ResultStore
 from harness.runner import check_model, stop_ids
 from harness.target import TargetRuntime
+from methods.objectives import EagleSpec, PipelineSpec
 
 DrafterSpec = PipelineSpec | EagleSpec
 

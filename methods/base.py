@@ -93,6 +93,12 @@ class Method(ABC):
         return None
 
     @classmethod
+    def served(cls, params) -> tuple[int, str] | None:
+        """How many ranks `--executor distributed` serves besides the driver, and why that many (for errors); None:
+        the family runs in one process only. A family that serves ranks also defines `distribute(group, dtype)`."""
+        return None
+
+    @classmethod
     def check_model(cls, params, num_layers: int) -> None:
         """Raise ValueError when these parameters cannot run on a target with `num_layers` layers."""
 

@@ -46,6 +46,10 @@ class StagePlan:
     def n(self) -> int:
         return len(self.bounds)
 
+    def server(self, rank: int, device: str, wire: torch.device) -> StageServer:
+        """What a served rank runs under this plan (harness/launch.py): stage rank - 1."""
+        return StageServer(self, rank, device, wire)
+
     def wanted(self, stage: int) -> tuple[int, ...]:
         """Captured layers a stage returns besides its output (h[0] is the driver's embedding)."""
         lo, hi = self.bounds[stage]
@@ -214,11 +218,9 @@ def load_stage(plan: StagePlan, stage: int, device: str) -> TargetRuntime:
 class StageServer:
     """One stage rank's loop: wait for the driver's control vector, apply it, answer when asked."""
 
-    def __init__(self, rank: int, device: str, wire: torch.device):
+    def __init__(self, plan: StagePlan, rank: int, device: str, wire: torch.device):
         self.rank, self.stage, self.wire = rank, rank - 1, wire
-        received = [None]
-        dist.broadcast_object_list(received, src=0)
-        self.plan: StagePlan = received[0]
+        self.plan = plan
         self.runtime = load_stage(self.plan, self.stage, device)
         self.lo, self.hi = self.plan.bounds[self.stage]
         self.wanted = self.plan.wanted(self.stage)

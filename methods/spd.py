@@ -113,6 +113,10 @@ class SPD(Method):
         self.speculator = speculator or load_speculator(target, self.name, self.policy, params, checkpoint)
         self.engine = PipelineEngine(target, self.speculator, stop_ids, width=params.width)
 
+    @classmethod
+    def served(cls, params: PipelineParams) -> tuple[int, str]:
+        return params.n, f"--n {params.n} needs one per stage"
+
     def distribute(self, group, dtype: str):
         """Run the target's stages on the ranks of `group` (methods/pipeline_distributed.py) from now on."""
         from methods.pipeline_distributed import DistributedExecutor

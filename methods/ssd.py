@@ -16,9 +16,11 @@ The drafter is an EAGLE-3 head (methods/eagle3.py; the shipped one on the embedd
 features of committed tokens; the chains drafted during verification see the head's own states for this round's
 drafts and the guessed bonus token, as EAGLE-3's deeper drafts do.
 
-One process here: the cache is built ("speculate") before the verification forward ("verify"), one after the
-other. The modeled time takes them as overlapped (drafter and target on devices of their own): per round
-max(verify, speculate) + the head's update + the fallback's drafting on a miss.
+In one process (the default) the cache is built ("speculate") before the verification forward ("verify"), one
+after the other, and the modeled time takes them as overlapped (drafter and target on devices of their own): per
+round max(verify, speculate) + the head's update + the fallback's drafting on a miss. With `--executor distributed`
+the drafter runs in a rank of its own (methods/ssd_distributed.py) and the overlap is real: the driver's rounds
+are verification plus the wait for the next drafts ("wait": the drafter's head update and lookup, or fallback).
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class SSD(Method):
                     "hit (all but each sample's first); tokens/forward: tokens committed per target forward; "
                     "theoretical: tau*L/(L + f*Ls*k), f the share of rounds the fallback drafted; modeled: AR's "
                     "measured time per token over SSD's with drafting overlapped (max(verify, speculate) + head "
-                    "update + fallback per round); wall-clock: this process, drafting and verifying in turn")
+                    "update + fallback per round; one-process runs); wall-clock: measured, drafting and verifying "
+                    "in turn in one process, overlapped with the drafter in a rank of its own ([distributed])")
 
     @classmethod
     def figures(cls, summary) -> dict[str, float | None]:
@@ -131,16 +134,34 @@ class SSD(Method):
                 "tokens/forward": summary.tokens_per_step, "theoretical x": cls.theoretical_speedup(summary),
                 "modeled x": cls.modeled_speedup(summary), "wall-clock x": summary.wall_clock_speedup}
 
+    @classmethod
+    def served(cls, params: SSDParams) -> tuple[int, str]:
+        return 1, "ssd's drafter takes one"
+
     def __init__(self, target, params: SSDParams, stop_ids, checkpoint=None, head=None):
         super().__init__(target, params, stop_ids, checkpoint)
         # The synchronous method with the same head and k: its verification forward is SSD's.
         self.eagle = EAGLE3(target, EagleParams(m=params.k, ttt=params.ttt), stop_ids, checkpoint, head=head)
         self.head = self.eagle.head
+        self.remote = None  # the drafter's rank, under --executor distributed
+
+    def distribute(self, group, dtype: str):
+        """Draft in a rank of `group` of its own from now on (methods/ssd_distributed.py)."""
+        from methods.ssd_distributed import RemoteDrafter
+
+        self.remote = RemoteDrafter(group, self, dtype)
+        return self.remote
+
+    def drafter_state(self) -> dict:
+        """Attributes a subclass's drafter needs beyond SSD's own, sent to the drafter's rank (none here)."""
+        return {}
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         timer = Timer(self.target.device)
         first, captured = self.eagle.prefill(prompt_ids, sampler, timer)
+        if self.remote is not None:
+            return self._remote_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
         return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.eagle._verify)
 
     @torch.inference_mode()
@@ -197,6 +218,41 @@ class SSD(Method):
             stats={"hits": rounds.hits, "cache_hits": sum(rounds.hits), "fallback_drafts": rounds.fallback_drafts,
                    "speculated": rounds.speculated,
                    "draft": {"num_layers": self.target.num_layers, "ls": 1, "m": k, "width": 1}},
+        )
+
+    def _remote_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
+                       sampler: Sampler, timer: Timer) -> Generation:
+        """The rounds with the drafter in its own rank: verify here, draft there (the same cache and fallbacks)."""
+        output, accepted, position_accepts = [first], [], [0] * self.params.k
+        base, hits, drafter = len(prompt_ids), [], {}
+        with timer("decode"):
+            if len(output) < max_new_tokens and first not in self.stop_ids:
+                self.remote.start(prompt_ids, first, captured, sampler)
+                done = False
+                while not done:
+                    with timer("wait"):  # the drafter's head update and lookup, or its fallback
+                        drafts = self.remote.drafts()
+                    with timer("verify"):
+                        path, bonus, features = self.eagle._verify(drafts, output[-1], base, sampler)
+                    new = commit(output, [drafts[i].token for i in path] + [bonus], max_new_tokens, self.stop_ids)
+                    accepted.append(len(new))
+                    for j in range(min(len(path), len(new))):
+                        position_accepts[j] += 1
+                    done = len(output) >= max_new_tokens or output[-1] in self.stop_ids
+                    self.remote.outcome(len(path), bonus, new, {layer: h[:, : len(new)] for layer, h in
+                                                                features.items()}, done)
+                    base += len(new)
+                hits, drafter = self.remote.finish(len(accepted))
+        counts = {name: int(drafter.get(name, 0)) for name in ("cache_hits", "fallback_drafts", "speculated")}
+        return Generation(
+            output_ids=output,
+            steps=len(accepted),
+            accepted=accepted,
+            position_accepts=position_accepts,
+            timing={**timer.totals, **{f"drafter_{name}": drafter.get(name, 0.0)
+                                       for name in ("speculate", "fallback", "head_update")}},
+            stats={"hits": hits, **counts, "executor": self.remote.report,
+                   "draft": {"num_layers": self.target.num_layers, "ls": 1, "m": self.params.k, "width": 1}},
         )
 
     # --- drafting -------------------------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
         (["--checkpoint", "/tmp"], "method autoregressive uses no drafter; drop --checkpoint"),
         (["--method", "spd", "--param", "n=abc"], "parameter n of spd wants an integer, got 'abc'"),
         (["--data-dir", "/no/such/folder"], "--data-dir /no/such/folder is not a folder"),
-        (["--executor", "distributed"], "--executor distributed runs pipeline methods (spd, ppsd), not autoregressive"),
+        (["--executor", "distributed"], "--executor distributed runs ppsd, spd, ssd, not autoregressive"),
         (["--devices", "cpu,cpu"], "--devices places the stages of --executor distributed"),
         (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cpu"],
          "--devices lists 1 devices but --n 2 needs one per stage"),

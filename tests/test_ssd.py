@@ -1,8 +1,10 @@
 """SSD on tiny models: token-identical to greedy AR at T=0 through cache hits, misses and both fallbacks; the target
-distribution at T=1 with and without Saguaro sampling; the replay equal to execution at T=0."""
+distribution at T=1 with and without Saguaro sampling; the replay equal to execution at T=0; the drafter in a rank of
+its own (gloo) drafting exactly what one process drafts, and sampling losslessly."""
 
 import pytest
 import torch
+from test_cli import tiny_dir  # noqa: F401  (fixture)
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
 from harness.errors import HarnessError
@@ -139,3 +141,83 @@ def test_the_report_gives_ssd_its_own_table():
                                                                  "modeled x", "wall-clock x"]
     # 3 hits in the 4 rounds that could hit; tau = 10 / 5; 2 of 5 rounds drafted 3 tokens: 2 * 30 / (30 + 0.4 * 3)
     assert table.rows[0][3:] == ["0.75", "2.00", f"{60 / 31.2:.2f}", "2.00", "1.00"]
+
+
+# --- the drafter in a rank of its own (--executor distributed) -------------------------------------------------------
+class SharedOracle(Oracle):
+    """The oracle on the drafter's rank: its reference, hit rate and random stream travel with the plan."""
+
+    def drafter_state(self) -> dict:
+        return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}
+
+
+def _saved_ssd(tmp_path, model, **params):
+    """A tiny target saved as an HF folder and a random EAGLE-3 head saved as its checkpoint, loaded as SSD."""
+    from harness import checkpoints
+    from harness.models import load_model
+
+    folder = tmp_path / "target"
+    model.save_pretrained(folder)
+    loaded = load_model(str(folder), "cpu", "float32", tokenizer=False)
+    target = TargetRuntime(loaded.model, max_len=256, identity=loaded.identity)
+    config = EagleConfig(ttt=3, num_layers=target.num_layers, target=loaded.identity.to_dict())
+    torch.manual_seed(2)
+    head = EagleHead(config, target).eval()
+    with torch.no_grad():  # far from the target, so a wrong verification rule would show at T=1
+        head.head.weight.copy_(torch.randn(head.head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    checkpoint = tmp_path / "head"
+    checkpoints.save(checkpoint, head, {"eagle": config.to_dict(), "target": config.target, "method": "eagle3"})
+    return str(folder), target, SSD(target, SSDParams(ttt=3, **params), set(), checkpoint=str(checkpoint))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, arch):
+    """T=0: the drafter's rank (gloo, a spawned process) gives AR's tokens and exactly the one-process run's rounds,
+    cache hits and fallbacks, with the cache drafted while the driver verifies."""
+    from harness import launch
+
+    folder, target, method = _saved_ssd(tmp_path, tiny_model(arch), k=3, fan_out=2, saguaro_x=0.5)
+    prompt = list(range(10, 19))
+    reference = build_method("autoregressive", target, {}, set()).generate(prompt, 24, Sampler(GREEDY)).output_ids
+    by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
+    local = SharedOracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
+    remote = SharedOracle(method, by_position, 0.7)
+    with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
+        executor = remote.distribute(group, "float32")
+        generation = remote.generate(prompt, 24, Sampler(GREEDY))
+        executor.close()
+    assert generation.output_ids == reference
+    assert generation.accepted == local.accepted and generation.stats["hits"] == local.stats["hits"]
+    assert 0 < generation.stats["cache_hits"] < generation.steps - 1  # hits and misses both crossed the wire
+    for name in ("fallback_drafts", "speculated", "cache_hits"):
+        assert generation.stats[name] == local.stats[name]
+    assert generation.timing["wait"] > 0 and generation.timing["drafter_speculate"] > 0
+    assert generation.stats["executor"]["kind"] == "distributed" and generation.stats["executor"]["world_size"] == 2
+
+
+def test_the_drafter_in_its_own_rank_samples_the_target_distribution(tmp_path):
+    """T=1 with Saguaro sampling and the none fallback: drafts and their distributions cross ranks, the joint of
+    tokens 1 and 2 is the target's."""
+    from harness import launch
+
+    vocab = 4
+    model = flat_target(vocab)
+    folder, _, method = _saved_ssd(tmp_path, model, k=2, fan_out=2, saguaro_x=0.3, fallback="none")
+    with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
+        executor = method.distribute(group, "float32")
+        assert sampled_joint_tv(method, model, vocab, runs=1000) < 0.08
+        executor.close()
+
+
+def test_only_families_that_serve_ranks_run_distributed(tiny_dir, eval_dir, tmp_path, monkeypatch):  # noqa: F811
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    refused = CliRunner().invoke(main, ["run", "--method", "autoregressive", "--executor", "distributed",
+                                        "--model", str(tiny_dir), "--data-dir", str(eval_dir)])
+    assert refused.exit_code == 2 and "runs ppsd, spd, ssd, not autoregressive" in refused.output
+    two = CliRunner().invoke(main, ["run", "--method", "ssd", "--executor", "distributed", "--devices", "cpu,cpu",
+                                    "--model", str(tiny_dir), "--data-dir", str(eval_dir)])
+    assert two.exit_code == 2 and "ssd's drafter takes one" in two.output

@@ -4,10 +4,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from test_cli import tiny_dir  # noqa: F401  (fixture)
 
 from harness.cli import main
 from harness.corpus import conversations, encode
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -140,12 +140,12 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     import random
 
     import torch
-
-    from harness.models import ModelIdentity
-    from methods.objectives import EagleSpec, PipelineSpec
-    from harness.target import TargetRuntime
-    from harness.features import teacher_pass
     from tiny_models import tiny_model
+
+    from harness.features import teacher_pass
+    from harness.models import ModelIdentity
+    from harness.target import TargetRuntime
+    from methods.objectives import EagleSpec, PipelineSpec
 
     with torch.inference_mode(False), torch.enable_grad():  # as inside harness.train.train
         target = TargetRuntime(tiny_model("qwen3").to(torch.bfloat16), max_len=32,
@@ -266,11 +266,11 @@ def test_feature_cache_reads_back_what_the_teacher_computed(tmp_path):
     """Stored teacher outputs read back equal to a computed visit (bf16 features, exact draft probabilities); a
     file lacking a layer asked for is recomputed with the union of layers; a torn or foreign file is a miss."""
     import torch
+    from tiny_models import tiny_model
 
     from harness.features import FeatureCache, teacher_pass
     from harness.models import ModelIdentity
     from harness.target import TargetRuntime
-    from tiny_models import tiny_model
 
     target = TargetRuntime(tiny_model("llama"), max_len=32, identity=ModelIdentity("tiny", "0" * 64))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
