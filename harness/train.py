@@ -1,8 +1,9 @@
 """Drafter training by distillation: one loop, one corpus, one teacher pass shared by every drafter trained together.
 
-The frozen target runs once per batch and yields the hidden states every drafter needs plus its next-token
-distribution; each drafter takes its training forward on those features and a KL(target || drafter)
-step at T=1 over assistant tokens. Checkpoints (safetensors + JSON) are written periodically and resumed from.
+The frozen target runs once per training chunk and yields the hidden states every drafter needs plus its
+next-token distribution (kept on disk by harness/features.py, so later epochs and runs read them back); each
+drafter takes its training forward on those features and a KL(target || drafter) step at T=1 over assistant
+tokens. Checkpoints (safetensors + JSON) are written periodically and resumed from.
 """
 
 from __future__ import annotations
