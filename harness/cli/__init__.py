@@ -1,0 +1,118 @@
+"""`spd-bench` command line: parses options and calls the harness; every bad input exits 2 with one line.
+
+This module holds the command group, its error handling and the options commands share; the commands live by
+kind in decode.py (run, parity, sweep), drafters.py (train, ship, import, export-head), results.py (report, export,
+check) and bench.py (bench ar/train/stage, selfcheck).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from harness.data import DATASETS
+from harness.errors import HarnessError
+from harness.models import DEFAULT_MODEL
+
+
+class _Group(click.Group):
+    """Turns usage errors and HarnessError into `error: <one line>` on stderr and exit code 2."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(2)
+        except HarnessError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _datasets(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown dataset(s) {', '.join(unknown) or value!r}; choose from {', '.join(DATASETS)}")
+    return names
+
+
+def _values(text: str | None, kind=int) -> list:
+    """A comma-separated option as a list of `kind` values (None: empty)."""
+    if text is None:
+        return []
+    try:
+        return [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected a comma-separated list, got {text!r}") from None
+
+
+def _params(pairs: tuple[str, ...]) -> dict:
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"--param {pair!r} must look like name=value")
+        params[name] = int(value) if value.lstrip("-").isdigit() else value
+    return params
+
+
+def _method_options(args: list[str]) -> dict:
+    """`--some-name value` pairs left over by `run`'s own options: the method's parameters (checked by the method)."""
+    pairs = []
+    for i in range(0, len(args), 2):
+        name, value = args[i], args[i + 1] if i + 1 < len(args) else None
+        if not name.startswith("--") or value is None or value.startswith("--"):
+            raise click.UsageError(f"unexpected argument {name!r}: method parameters go as --name value")
+        pairs.append(f"{name[2:].replace('-', '_')}={value}")
+    return _params(tuple(pairs))
+
+
+@click.group(cls=_Group)
+def main():
+    """Benchmark and reproduction harness for lossless speculative decoding."""
+    _quiet_libraries()
+
+
+model_option = click.option("--model", default=DEFAULT_MODEL, show_default=True,
+                            help="Embedded model name, a local HF folder, or a hub id.")
+device_option = click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                            help="Default: float32 on CPU, bfloat16 on CUDA.")
+data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
+simulate_option = click.option(
+    "--simulate", is_flag=True, help="Replay acceptance on the AR output from one teacher-forced pass instead of "
+                                     "executing (exact at T=0; expected acceptance at T>0; no timings).")
+
+
+def prompt_options(command):
+    """The prompts, lengths, seed and device options that `run` and `sweep` share."""
+    options = [
+        model_option,
+        click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True,
+                     callback=lambda c, p, v: _datasets(v), help="Comma-separated datasets."),
+        click.option("--max-new-tokens", type=int, default=128, show_default=True),
+        click.option("--limit", type=int, default=None, help="First N prompts per dataset."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        device_option, dtype_option, data_option, simulate_option,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+from harness.cli import bench, decode, drafters, results  # noqa: F401  (registers their commands on main)

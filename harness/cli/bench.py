@@ -1,0 +1,134 @@
+"""`spd-bench bench ar|train|stage` and `selfcheck`: speed benchmarks and the self-check on random real-shape models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from harness.cli import _values, data_option, device_option, dtype_option, main, model_option
+from harness.cli.drafters import _drafter_specs
+from harness.data import DATASETS
+
+
+@main.group()
+def bench():
+    """Speed benchmarks (figures go to results/bench/)."""
+
+
+@bench.command("ar")
+@model_option
+@click.option("--dataset", default="mt_bench", show_default=True, type=click.Choice(DATASETS))
+@click.option("--prompts", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True)
+@device_option
+@dtype_option
+@data_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/ar.jsonl"), show_default=True)
+def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, out):
+    """Harness AR decode vs HF generate, alternating runs; prints the median time ratio (HF / ours)."""
+    from harness.bench import bench_ar, save
+
+    result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir)
+    save(result, out)
+    click.echo(f"outputs identical to HF generate: {result.identical}")
+    click.echo(f"median speed ratio (HF generate time / harness AR time) over {len(result.ratios)} pairs: "
+               f"{result.median_ratio:.3f}")
+    click.echo(f"record: {out}")
+
+
+@bench.command("train")
+@click.option("--method", "methods", default="spd,ppsd,eagle3", show_default=True, help="Comma list of drafter kinds.")
+@click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list).")
+@click.option("--ls", "ls_values", default=None, help="Drafter decoder layers (default: spd 4, ppsd 1).")
+@click.option("--ttt", "ttt_values", default="7", show_default=True, help="EAGLE-3 training-time-test steps.")
+@click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed batches (after one warm-up).")
+@model_option
+@device_option
+@dtype_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
+def bench_train_command(methods, n_values, ls_values, ttt_values, seq_len, batch_size, steps, model, device, dtype, out):
+    """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches."""
+    from harness import bench_train
+    from harness.train import TrainConfig
+
+    specs = _drafter_specs(methods, n_values, ls_values, None, ttt_values)
+    config = TrainConfig(drafters=specs, model=model, seq_len=seq_len, batch_size=batch_size, device=device,
+                         dtype=dtype, val_prompts=0)
+    results = bench_train.bench_train(config, steps)
+    bench_train.record(results, out)
+    click.echo(bench_train.table(results))
+    click.echo(f"records: {out}")
+
+
+@bench.command("stage")
+@model_option
+@click.option("--random", "shape", type=click.Choice(["tiny-qwen3.5", "qwen3.5-4b"]), default=None,
+              help="Instead of --model: a randomly initialised Qwen3.5 of these shapes (nothing downloaded).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="With --random: keep only this many layers (one stage of a 4B split fits in CPU memory).")
+@click.option("--n", type=click.IntRange(min=1), default=4, show_default=True, help="Pipeline stages.")
+@click.option("--width", "widths", default="1,4", show_default=True, help="Branches per level (comma list).")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@device_option
+@dtype_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/stage.jsonl"), show_default=True)
+def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, device, dtype, out):
+    """One pipeline stage call on W draft branches against one: time per stage and memory per branch."""
+    import torch
+
+    from harness import bench_stage
+    from harness.models import load_model
+    from harness.selfcheck import build_model
+    from harness.target import TargetRuntime
+
+    if layers is not None and shape is None:
+        raise click.UsageError("--layers trims a --random model; drop it or add --random")
+    widths = _values(widths)
+    if 1 not in widths or min(widths) < 1:
+        raise click.BadParameter("--width must list 1 (the baseline) and positive widths")
+    if shape is None:
+        loaded = load_model(model, device, dtype)
+        net, name = loaded.model, loaded.identity.name
+    else:
+        torch_dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        net = build_model("qwen3_5", "tiny" if shape == "tiny-qwen3.5" else "4b", device, torch_dtype, layers=layers)
+        name = f"random-{shape}" + (f"-{layers}-layers" if layers else "")
+    target = TargetRuntime(net, max_len=prompt_len + max(widths) + 8)
+    if n > target.num_layers:
+        raise click.BadParameter(f"--n {n} exceeds the model's {target.num_layers} layers")
+    results = bench_stage.bench_stages(target, name, n, widths, prompt_len, repeats)
+    bench_stage.record(results, out)
+    click.echo(bench_stage.table(results))
+    click.echo(f"records: {out}")
+
+
+@main.command()
+@click.option("--device", default="cuda", show_default=True, help="cpu or cuda[:k].")
+@click.option("--shapes", type=click.Choice(["real", "tiny"]), default="real", show_default=True,
+              help="real: Qwen3.5-4B- and Qwen3-4B-shaped random models; tiny: small ones (a CPU).")
+@click.option("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--prompts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/selfcheck.jsonl"),
+              show_default=True)
+def selfcheck(device, shapes, dtype, prompts, max_new_tokens, out):
+    """Every method lossless against AR on random models of real shapes, and AR against HF generate (no downloads)."""
+    from harness import selfcheck as check
+    from harness.models import default_dtype, resolve_device, resolve_dtype
+    from harness.results import ResultStore
+
+    resolve_device(device)  # a missing CUDA device fails here, in one line
+    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(dtype or default_dtype(device)))
+    store = ResultStore(out)
+    for row in check.record(checks, device):
+        store.append(row)
+    click.echo(check.table(checks))
+    click.echo(f"records: {out}")
+    if not all(c.ok for c in checks):
+        raise SystemExit(1)

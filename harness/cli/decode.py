@@ -1,0 +1,129 @@
+"""`spd-bench run`, `parity` and `sweep`: decoding benchmark prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from harness.cli import _method_options, _params, _values, main, prompt_options
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--method", default="autoregressive", show_default=True, help="Registered decoding method.")
+@click.option("--param", "param_pairs", multiple=True,
+              help="Method parameter name=value (repeatable); `--name value` works too for any parameter the method "
+                   "declares (e.g. --fan-out 3 for ssd).")
+@click.option("--n", type=int, default=None, help="Pipeline stages (pipeline methods).")
+@click.option("--ls", type=int, default=None, help="Drafter decoder layers (pipeline methods).")
+@click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule (spd).")
+@click.option("--width", type=int, default=None, help="Draft width (1 = chain).")
+@click.option("--m", type=int, default=None, help="Draft depth per round (eagle3).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@prompt_options
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Results file (default results/<model>/<method>.jsonl).")
+@click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
+@click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
+@click.option("--executor", type=click.Choice(["local", "distributed"]), default="local", show_default=True,
+              help="Run everything in this process, or give the method's served ranks processes of their own "
+                   "(torch.distributed, started here or by torchrun): one per pipeline stage (spd, ppsd), the "
+                   "drafter (ssd).")
+@click.option("--devices", default=None,
+              help="--executor distributed: one device per served rank, e.g. cuda:1,cuda:2 (default: the --device "
+                   "type).")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="--executor distributed: seconds a rank may wait for another before the run fails.")
+@click.pass_context
+def run(ctx, method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens,
+        limit, seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout):
+    """Decode benchmark prompts, check losslessness, append one record per sample."""
+    from harness.runner import RunConfig
+    from harness.runner import run as run_config
+
+    named = {"n": n, "ls": ls, "schedule": schedule, "width": width, "m": m}
+    params = {**_params(param_pairs), **_method_options(ctx.args),
+              **{k: v for k, v in named.items() if v is not None}}
+    config = RunConfig(
+        method=method, params=params, model=model, datasets=datasets, temperature=temperature,
+        top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
+        data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
+        executor=executor, devices=devices, timeout=timeout,
+    )
+    path = run_config(config)
+    if path is not None:  # a torchrun stage rank writes nothing
+        click.echo(f"results: {path}")
+
+
+@main.command()
+@click.option("--method", default="spd", show_default=True, type=click.Choice(["spd", "ppsd"]))
+@click.option("--n", type=int, default=None, help="Pipeline stages.")
+@click.option("--ls", type=int, default=None, help="Drafter decoder layers.")
+@click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule.")
+@prompt_options
+@click.option("--checkpoint", default=None, help="Drafter checkpoint folder (default: the cache).")
+def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate,
+           checkpoint):
+    """Train/decode parity of a pipeline drafter: its top-1 per (position, fill level) on the greedy AR output, through
+    the training layout, the decoding engine and the replay; exits 1 on any disagreement beyond near-ties."""
+    from harness.parity import check as parity_check
+    from harness.parity import table
+    from harness.runner import RunConfig
+
+    if simulate:
+        raise click.UsageError("parity always compares the engine with the training layout; drop --simulate")
+    named = {"n": n, "ls": ls, "schedule": schedule}
+    config = RunConfig(method=method, params={k: v for k, v in named.items() if v is not None}, model=model,
+                       datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device,
+                       dtype=dtype, data_dir=data_dir, checkpoint=checkpoint)
+    found = parity_check(config)
+    click.echo(table(found))
+    if found.disagree:
+        raise SystemExit(1)
+
+
+@main.command()
+@click.option("--preset", type=click.Choice(["paper"]), default=None,
+              help="paper: EAGLE-3 m 3/7/15, PPSD n 4/8/16, SPD n 4/8/16 x Ls 1-4 (+ output ablation), T 0/1, width 1/4.")
+@click.option("--method", "methods", default=None, help="Comma list of methods (instead of --preset).")
+@click.option("--n", "n_values", default=None, help="Comma list of pipeline stages.")
+@click.option("--ls", "ls_values", default=None, help="Comma list of drafter layers.")
+@click.option("--schedule", "schedules", default=None, help="Comma list: input, output.")
+@click.option("--m", "m_values", default=None, help="Comma list of EAGLE-3 draft depths.")
+@click.option("--ttt", "ttt_values", default=None, help="EAGLE-3 head(s) by training-time-test depth (default 7).")
+@click.option("--width", "widths", default="1", show_default=True, help="Comma list of draft widths.")
+@click.option("--temperature", "temperatures", default="0", show_default=True, help="Comma list of temperatures.")
+@prompt_options
+@click.option("--results", type=click.Path(path_type=Path), default=None,
+              help="Results root (default results/): records go to <root>/<model>/<method>.jsonl.")
+def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values, widths, temperatures, model, datasets,
+          max_new_tokens, limit, seed, device, dtype, data_dir, results, simulate):
+    """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
+    from harness.paper import paper_grid
+    from harness.runner import RunConfig
+    from harness.sweep import grid
+    from harness.sweep import sweep as run_sweep
+
+    if (preset is None) == (methods is None):
+        raise click.UsageError("pass either --preset paper or --method LIST")
+    if preset:
+        points = paper_grid()
+    else:
+        values = {"n": _values(n_values), "ls": _values(ls_values), "schedule": _values(schedules, str),
+                  "m": _values(m_values), "ttt": _values(ttt_values)}
+        points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths))
+    base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
+                     device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)
+    outcome = run_sweep(points, base, results)
+    ran = sum(1 for count in outcome.ran.values() if count)
+    click.echo(f"{len(outcome.ran)} of {len(points)} configurations complete ({ran} ran now); "
+               f"results: {', '.join(str(f) for f in sorted(outcome.files)) or 'none'}")
+    reasons: dict[str, list[str]] = {}
+    for skip in outcome.skipped:
+        reasons.setdefault(skip.reason, []).append(skip.point.label())
+    for reason, labels in reasons.items():
+        click.echo(f"skipped {len(labels)}: {reason}\n  " + "\n  ".join(labels))
+    if outcome.skipped:
+        raise SystemExit(1)

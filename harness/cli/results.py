@@ -1,0 +1,113 @@
+"""`spd-bench report`, `export` and `check`: what the records say, in tables, other formats and a regression gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from harness.cli import data_option, device_option, main
+from harness.errors import HarnessError
+
+
+def _records(results: Path) -> list[dict]:
+    """One record per sample under `results`, saying when duplicates (e.g. two runs on one file) were dropped."""
+    from harness.results import load_all
+
+    rows, dropped = load_all(results)
+    if dropped:
+        click.echo(f"note: {dropped} duplicate records of the same samples under {results} were counted once", err=True)
+    return rows
+
+
+@main.command()
+@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+              help="Results file or folder.")
+@click.option("--format", "fmt", type=click.Choice(["markdown", "latex", "csv"]), default="markdown", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
+@click.option("--summary", is_flag=True, help="Only the table of acceptance and speedups per configuration (markdown).")
+def report(results, fmt, out, summary):
+    """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
+    from harness.metrics import summarize
+    from harness.report import RENDERERS, markdown_summary, render_figures
+    from harness.results import load_training
+
+    rows = _records(results)
+    if not rows:
+        raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
+    summaries = summarize(rows)
+    if summary:
+        text = markdown_summary(summaries)
+    elif fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
+        figures = render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent,
+                                 train_rows=load_training(results))
+        text = RENDERERS[fmt](summaries, figures)
+    else:
+        text = RENDERERS[fmt](summaries)
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    click.echo(f"report: {out}")
+
+
+@main.command()
+@click.option("--format", "fmt", type=click.Choice(["spec-bench", "reference"]), required=True,
+              help="spec-bench: Spec-Bench answer files; reference: the reference code's per-sample JSONL (pipeline).")
+@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+              help="Results file or folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
+def export(fmt, results, out):
+    """Our records in another tool's format, one file per configuration."""
+    from harness.export import export as write
+
+    written, skipped = write(_records(results), fmt, out)
+    click.echo(f"{len(written)} files in {out}" + (f" ({skipped} records have no {fmt} form)" if skipped else ""))
+
+
+@main.command()
+@click.option("--baseline", type=click.Path(path_type=Path), required=True, help="Baseline JSON (spd-bench check --write).")
+@click.option("--results", type=click.Path(path_type=Path), default=None,
+              help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
+                   "(default: a fresh temporary folder).")
+@click.option("--tolerance", type=click.FloatRange(0, 1), default=0.1, show_default=True,
+              help="Largest allowed relative drop of pooled tokens/step and acceptance rate.")
+@click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking.")
+@click.option("--rerun", is_flag=True, help="Run the baseline's configurations again (same prompts, sampling, lengths, "
+                                            "seed, dtype; drafters from the cache) and check those records.")
+@click.option("--model", default=None, help="With --rerun: target to load instead of the baseline's model name.")
+@device_option
+@data_option
+def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
+    """Exit 1 when acceptance fell beyond the tolerance, a sample lost losslessness, or a configuration is missing."""
+    import tempfile
+
+    from harness import check as regression
+    from harness.metrics import summarize
+
+    if write and rerun:
+        raise click.UsageError("--write takes recorded results; drop --rerun")
+    expected = None if write else regression.read_baseline(baseline)
+    if rerun:
+        results = results or Path(tempfile.mkdtemp(prefix="spd-bench-check-"))
+        results.mkdir(parents=True, exist_ok=True)
+        for problem in regression.rerun(expected, results, model, device, data_dir):
+            click.echo(f"not rerun: {problem}")
+        click.echo(f"rerun records: {results}")
+    results = results or Path("results")
+    rows = _records(results)
+    if not rows and not rerun:
+        raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
+    if write:
+        regression.write_baseline(baseline, summarize(rows), rows)
+        click.echo(f"baseline: {baseline}")
+        return
+    outcomes = regression.compare(expected, summarize(rows), tolerance)
+    click.echo(regression.table(outcomes), nl=False)
+    failed = [o for o in outcomes if not o.ok]
+    click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")
+    if failed:
+        raise SystemExit(1)
