@@ -73,11 +73,11 @@ class FeatureCache:
 
     def batch(self, index: list[int], ids: torch.Tensor) -> TeacherBatch:
         """Teacher outputs of chunks `index` (their ids [B, S]): from disk where cached, else computed and stored."""
-        self._kept: set[int] = set()
-        rows = [self._load(i, ids[row]) for row, i in enumerate(index)] if self.store else [None] * len(index)
+        loaded = [self._load(i, ids[row]) if self.store else (None, set()) for row, i in enumerate(index)]
+        rows = [row for row, _ in loaded]
         missing = [row for row, got in enumerate(rows) if got is None]
-        if missing:
-            layers = tuple(sorted(set(self.layers) | self._kept))
+        if missing:  # a file's other layers are recomputed too, so no run loses the layers it cached
+            layers = tuple(sorted(set(self.layers).union(*(kept for _, kept in loaded))))
             features, final, lse = teacher_pass(self.target, ids[missing], layers)
             # Stored features are bf16: a computed visit rounds them alike, so a run reads what it would compute.
             kept = torch.bfloat16 if self.store else torch.float32
@@ -94,23 +94,23 @@ class FeatureCache:
     def _path(self, index: int) -> Path:
         return self.root / f"chunk-{index:07d}.safetensors"
 
-    def _load(self, index: int, ids: torch.Tensor):
+    def _load(self, index: int, ids: torch.Tensor) -> tuple[tuple | None, set[int]]:
+        """The chunk's stored row, or None (a miss) with the layers its file holds (to keep when rewriting it)."""
         path = self._path(index)
         if not path.exists():
-            return None
+            return None, set()
         try:
             with safe_open(str(path), framework="pt") as f:
                 if not torch.equal(f.get_tensor(IDS), ids.cpu()):
-                    return None
+                    return None, set()
                 cached = {int(name[1:]) for name in f.keys() if name.startswith("h")}  # noqa: SIM118 (safe_open)
-                if not set(self.layers) <= cached:  # recomputed with these layers too, so no run loses its own
-                    self._kept |= cached
-                    return None
+                if not set(self.layers) <= cached:
+                    return None, cached
                 self.read += 1
                 return ({layer: f.get_tensor(f"h{layer}") for layer in self.layers}, f.get_tensor(FINAL),
-                        f.get_tensor(LSE))
+                        f.get_tensor(LSE)), cached
         except Exception:  # noqa: BLE001 - an unreadable file is only a cache miss: it is recomputed and rewritten
-            return None
+            return None, set()
 
     def _store(self, index: int, ids: torch.Tensor, row) -> None:
         features, final, lse = row
