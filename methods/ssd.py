@@ -125,14 +125,26 @@ class SSD(Method):
                     "theoretical: tau*L/(L + f*Ls*k), f the share of rounds the fallback drafted; modeled: AR's "
                     "measured time per token over SSD's with drafting overlapped (max(verify, speculate) + head "
                     "update + fallback per round; one-process runs); wall-clock: measured, drafting and verifying "
-                    "in turn in one process, overlapped with the drafter in a rank of its own ([distributed])")
+                    "in turn in one process, overlapped with the drafter in a rank of its own ([distributed]); vs "
+                    "synchronous: decode tokens/s over synchronous speculative decoding's (EAGLE-3 with the same "
+                    "head and k), timed after SSD on every sample")
 
     @classmethod
     def figures(cls, summary) -> dict[str, float | None]:
         could_hit = summary.steps - summary.samples
         return {"cache hit rate": summary.counts.get("cache_hits", 0) / could_hit if could_hit > 0 else None,
                 "tokens/forward": summary.tokens_per_step, "theoretical x": cls.theoretical_speedup(summary),
-                "modeled x": cls.modeled_speedup(summary), "wall-clock x": summary.wall_clock_speedup}
+                "modeled x": cls.modeled_speedup(summary), "wall-clock x": summary.wall_clock_speedup,
+                "vs synchronous x": cls.synchronous_speedup(summary)}
+
+    @classmethod
+    def synchronous_speedup(cls, summary) -> float | None:
+        """Decode tokens/s over synchronous speculative decoding's with the same head and k, timed beside SSD on the
+        same samples (records from before it was timed: None)."""
+        ours, decode = summary.tokens_per_second, summary.timing.get("synchronous_decode", 0.0)
+        if ours is None or decode <= 0 or summary.counts.get("synchronous_samples", 0) != summary.samples:
+            return None
+        return ours / ((summary.counts["synchronous_tokens"] - summary.samples) / decode)
 
     @classmethod
     def served(cls, params: SSDParams) -> tuple[int, str]:
@@ -159,10 +171,22 @@ class SSD(Method):
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         timer = Timer(self.target.device)
+        saved = None if sampler.generator is None else (sampler.generator.device, sampler.generator.get_state())
         first, captured = self.eagle.prefill(prompt_ids, sampler, timer)
         if self.remote is not None:
-            return self._remote_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
-        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.eagle._verify)
+            generation = self._remote_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
+        else:
+            generation = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.eagle._verify)
+        self._time_synchronous(generation, prompt_ids, max_new_tokens, Sampler(sampler.config, _restored(saved)))
+        return generation
+
+    def _time_synchronous(self, generation: Generation, prompt_ids: list[int], max_new_tokens: int,
+                          sampler: Sampler) -> None:
+        """Synchronous speculative decoding with the same head and k on the same prompt and seed, after SSD: its
+        decode time and tokens go into SSD's record, so "vs synchronous" is measured per sample, as AR's is."""
+        synchronous = self.eagle.generate(prompt_ids, max_new_tokens, sampler)
+        generation.timing["synchronous_decode"] = synchronous.timing["decode"]
+        generation.stats.update(synchronous_tokens=len(synchronous.output_ids), synchronous_samples=1)
 
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
@@ -319,6 +343,16 @@ class SSD(Method):
         q = saguaro(sampler.probs(logits), self.params.saguaro_x, self.params.fan_out)
         tokens = torch.multinomial(q, 1, generator=sampler.generator)[:, 0].tolist()
         return tokens, list(q)
+
+
+def _restored(saved: tuple[torch.device, torch.Tensor] | None) -> torch.Generator | None:
+    """A generator on its device in the saved state: the synchronous run starts from SSD's seed."""
+    if saved is None:
+        return None
+    device, state = saved
+    generator = torch.Generator(device=device)
+    generator.set_state(state)
+    return generator
 
 
 def _modeled(before: dict[str, float], after: dict[str, float]) -> float:

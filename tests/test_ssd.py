@@ -131,16 +131,43 @@ def test_the_report_gives_ssd_its_own_table():
     row = {"config_key": "ssd", "method": "ssd", "params": {"k": 3}, "model": {"name": "m"}, "simulated": False,
            "temperature": 0.0, "dataset": "gsm8k", "question_id": 0, "new_tokens": 11, "steps": 5,
            "accepted": [4, 1, 2, 2, 1], "position_accepts": [3, 1, 1],
-           "timing": {"decode": 2.0, "modeled": 1.0, "verify": 0.8}, "lossless": {"checked": True, "identical": True},
+           "timing": {"decode": 2.0, "modeled": 1.0, "verify": 0.8, "synchronous_decode": 4.0},
+           "lossless": {"checked": True, "identical": True},
            "baseline": {"new_tokens": 11, "timing": {"decode": 2.0}},
-           "stats": {"hits": [0, 1, 1, 0, 1], "cache_hits": 3, "fallback_drafts": 2,
-                     "draft": {"num_layers": 30, "ls": 1, "m": 3, "width": 1}}}
-    overall = [s for s in summarize([row]) if s.dataset == OVERALL]
+           "stats": {"hits": [0, 1, 1, 0, 1], "cache_hits": 3, "fallback_drafts": 2, "synchronous_tokens": 11,
+                     "synchronous_samples": 1, "draft": {"num_layers": 30, "ls": 1, "m": 3, "width": 1}}}
+    older = {**row, "config_key": "older", "params": {"k": 2}, "timing": {"decode": 2.0},
+             "stats": {k: v for k, v in row["stats"].items() if not k.startswith("synchronous")}}
+    overall = [s for s in summarize([row, older]) if s.dataset == OVERALL]
     (table,) = family_tables(overall)
     assert table.title == "ssd figures" and table.header[3:] == ["cache hit rate", "tokens/forward", "theoretical x",
-                                                                 "modeled x", "wall-clock x"]
-    # 3 hits in the 4 rounds that could hit; tau = 10 / 5; 2 of 5 rounds drafted 3 tokens: 2 * 30 / (30 + 0.4 * 3)
-    assert table.rows[0][3:] == ["0.75", "2.00", f"{60 / 31.2:.2f}", "2.00", "1.00"]
+                                                                 "modeled x", "wall-clock x", "vs synchronous x"]
+    # 3 hits in the 4 rounds that could hit; tau = 10 / 5; 2 of 5 rounds drafted 3 tokens: 2 * 30 / (30 + 0.4 * 3);
+    # 10 tokens in 2 s against the synchronous run's 10 in 4 s
+    rows = {r[0]: r[3:] for r in table.rows}
+    assert rows["ssd k=3"] == ["0.75", "2.00", f"{60 / 31.2:.2f}", "2.00", "1.00", "2.00"]
+    assert rows["ssd k=2"][-1] == "—"  # a record from before the synchronous run was timed beside SSD
+
+
+def test_synchronous_decoding_is_timed_beside_ssd_from_the_same_seed():
+    model = tiny_model("llama")
+    target, method = _ssd(model, k=3, fan_out=2)
+    sampling = SamplingConfig(temperature=1.0)
+    seen = []
+    generate = method.eagle.generate
+
+    def synchronous(prompt, max_new_tokens, sampler):
+        seen.append(sampler.generator.get_state())
+        return generate(prompt, max_new_tokens, sampler)
+
+    method.eagle.generate = synchronous
+    generation = method.generate([5, 6], 20, Sampler(sampling, torch.Generator().manual_seed(3)))
+    assert len(seen) == 1 and torch.equal(seen[0], torch.Generator().manual_seed(3).get_state())
+    assert generation.stats["synchronous_samples"] == 1 and generation.stats["synchronous_tokens"] == 20
+    assert generation.timing["synchronous_decode"] > 0
+    alone = SSD(target, method.params, set(), head=method.head)  # SSD's own tokens do not depend on the extra run
+    assert alone.generate([5, 6], 20, Sampler(sampling, torch.Generator().manual_seed(3))).output_ids == \
+        generation.output_ids
 
 
 # --- the drafter in a rank of its own (--executor distributed) -------------------------------------------------------
