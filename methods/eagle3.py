@@ -155,11 +155,7 @@ class EAGLE3(Method):
 
     def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
         """The prompt's target forward: the first token and the head's feature layers over the prompt."""
-        target = self.target
-        target.reset()
-        with timer("prefill"):
-            logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, self.layers)
-            return sampler.pick(logits[-1]), captured
+        return target_prefill(self.target, self.layers, prompt_ids, sampler, timer)
 
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
@@ -245,37 +241,51 @@ class EAGLE3(Method):
 
     # --- verification ---------------------------------------------------------------------------------------------
     def _verify(self, nodes: list[Node], last: int, base: int, sampler: Sampler):
-        """One target forward over the root and every candidate; returns (accepted node path, next token,
-        target features of the root and the path rows)."""
-        target = self.target
-        device = target.device
-        ids = torch.tensor([last] + [n.token for n in nodes], device=device)
-        positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
-        chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
-        slots = mask = parents = None
-        # Rows see the prefix plus their own branch; slots base + 1 + i hold the candidates. Linear-attention layers
-        # take even a chain level by level, so the state after each accepted candidate is there whatever is accepted.
-        if not chain or target.has_linear_layers:
-            slots = base + torch.arange(len(ids), device=device)
-            mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
-            parents = torch.tensor([base - 1] + [base + 1 + n.parent if n.parent >= 0 else base for n in nodes],
-                                   device=device)
-        h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
-                                        parents=parents, capture=self.layers)
-        logits = target.logits(h)
-        path, bonus = self._accept(nodes, logits, sampler)
-        if path and path != list(range(len(path))):  # the accepted branch's KV (and linear states) move
-            target.cache.move(torch.tensor([base + 1 + i for i in path], device=device), base + 1)
-        target.truncate(base + 1 + len(path))  # the rejected candidates' linear states go
-        rows = [0] + [i + 1 for i in path]
-        return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
+        return verify_round(self.target, self.layers, nodes, last, base, sampler)
 
-    def _accept(self, nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
-        parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
-        if sampler.greedy:
-            return verify_tree(parents, tokens, None, logits.argmax(-1).tolist())
-        p = sampler.probs(logits)
-        if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
-            count, token = chain_rejection(tokens, torch.stack([n.q for n in nodes]), p, sampler.generator)
-            return list(range(count)), token
-        return verify_tree(parents, tokens, p, None, sampler.generator)
+
+def target_prefill(target: TargetRuntime, layers: tuple[int, ...], prompt_ids: list[int], sampler: Sampler,
+                   timer: Timer) -> tuple[int, dict]:
+    """The prompt's target forward: the first token and the hidden states at `layers` over the prompt."""
+    target.reset()
+    with timer("prefill"):
+        logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, layers)
+        return sampler.pick(logits[-1]), captured
+
+
+def verify_round(target: TargetRuntime, layers: tuple[int, ...], nodes: list[Node], last: int, base: int,
+                 sampler: Sampler):
+    """One target forward over the root and every candidate; returns (accepted node path, next token, target
+    features at `layers` of the root and the path rows)."""
+    device = target.device
+    ids = torch.tensor([last] + [n.token for n in nodes], device=device)
+    positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
+    chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
+    slots = mask = parents = None
+    # Rows see the prefix plus their own branch; slots base + 1 + i hold the candidates. Linear-attention layers
+    # take even a chain level by level, so the state after each accepted candidate is there whatever is accepted.
+    if not chain or target.has_linear_layers:
+        slots = base + torch.arange(len(ids), device=device)
+        mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
+        parents = torch.tensor([base - 1] + [base + 1 + n.parent if n.parent >= 0 else base for n in nodes],
+                               device=device)
+    h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
+                                    parents=parents, capture=layers)
+    logits = target.logits(h)
+    path, bonus = _accept(nodes, logits, sampler)
+    if path and path != list(range(len(path))):  # the accepted branch's KV (and linear states) move
+        target.cache.move(torch.tensor([base + 1 + i for i in path], device=device), base + 1)
+    target.truncate(base + 1 + len(path))  # the rejected candidates' linear states go
+    rows = [0] + [i + 1 for i in path]
+    return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
+
+
+def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+    parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
+    if sampler.greedy:
+        return verify_tree(parents, tokens, None, logits.argmax(-1).tolist())
+    p = sampler.probs(logits)
+    if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
+        count, token = chain_rejection(tokens, torch.stack([n.q for n in nodes]), p, sampler.generator)
+        return list(range(count)), token
+    return verify_tree(parents, tokens, p, None, sampler.generator)

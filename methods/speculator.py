@@ -9,6 +9,7 @@ rows the pipeline would hold) go through the same `decode`, so they cannot drift
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -72,7 +73,7 @@ class SpeculatorConfig:
             raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {self.layer_kind!r}")
         self.aggr_bounds = tuple(self.aggr_bounds)
         bounds = self.aggr_bounds
-        if bounds and (bounds[0] != 0 or any(b >= c for b, c in zip(bounds, bounds[1:]))
+        if bounds and (bounds[0] != 0 or any(b >= c for b, c in itertools.pairwise(bounds))
                        or (self.num_layers and bounds[-1] > self.num_layers)):
             raise ValueError(f"aggregation bounds must rise from 0 to at most {self.num_layers}, got {list(bounds)}")
 

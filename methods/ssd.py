@@ -12,28 +12,34 @@ verification: the rejection residual max(0, p - q), which the bonus token is dra
 drafter's top tokens, the ones the cache holds. Lossless at any x: a cached chain was sampled from exactly the q it
 is verified with, independently of the outcome that selects it.
 
-The drafter is an EAGLE-3 head (methods/eagle3.py; the shipped one on the embedded model). It sees the target's
-features of committed tokens; the chains drafted during verification see the head's own states for this round's
-drafts and the guessed bonus token, as EAGLE-3's deeper drafts do.
+The drafter (methods/ssd_drafters.py) is an EAGLE-3 head (the shipped one on the embedded model), which sees the
+target's features of committed tokens and, for the chains drafted during verification, its own states for this
+round's drafts and the guessed bonus token, as EAGLE-3's deeper drafts do; or a standalone draft model with the
+target's tokenizer (`draft_model`), which sees tokens only.
 
 In one process (the default) the cache is built ("speculate") before the verification forward ("verify"), one
 after the other, and the modeled time takes them as overlapped (drafter and target on devices of their own): per
-round max(verify, speculate) + the head's update + the fallback's drafting on a miss. With `--executor distributed`
-the drafter runs in a rank of its own (methods/ssd_distributed.py) and the overlap is real: the driver's rounds
-are verification plus the wait for the next drafts ("wait": the drafter's head update and lookup, or fallback).
+round max(verify, speculate) + the drafter's update + the fallback's drafting on a miss. With `--executor
+distributed` the drafter runs in a rank of its own (methods/ssd_distributed.py) and the overlap is real: the
+driver's rounds are verification plus the wait for the next drafts ("wait": the drafter's update and lookup, or
+fallback); the same model is computed from each round's times on both ranks. After SSD, every sample is decoded
+again by synchronous speculative decoding with the same drafter and k (no cache, no Saguaro), so the record holds
+its decode time beside AR's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from harness.errors import HarnessError
-from methods.base import Generation, Method, Timer, commit, register
-from methods.eagle3 import EAGLE3, EagleParams, Node, _Head
+from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, commit, register
+from methods.eagle3 import EAGLE3, EagleParams, Node, load_head, target_prefill, verify_round
 from methods.eagle_replay import rounds_on_trajectory
 from methods.sampling import Sampler
+from methods.ssd_drafters import HeadDrafter, ModelDrafter
 
 FALLBACKS = ("jit", "none")
 MAX_SPECULATED = 240  # tree rows per round: the runtime keeps 256 slots above the sequence for drafts
@@ -47,6 +53,8 @@ class SSDParams:
     saguaro_x: float = 1.0  # Saguaro sampling: scale of the drafter's top fan_out + 1 probabilities (1: off)
     fallback: str = "jit"  # on a cache miss: draft k tokens now (jit) or verify none (none)
     ttt: int = 7  # which trained EAGLE-3 head drafts
+    # a standalone draft model with the target's tokenizer instead of the head (embedded name, folder or hub id)
+    draft_model: str = field(default="", metadata=RECORDED_WHEN_SET)
 
     def __post_init__(self):
         if min(self.k, self.fan_out, self.ttt) < 1:
@@ -98,8 +106,9 @@ class SSD(Method):
     Params = SSDParams
 
     @classmethod
-    def drafter(cls, params: SSDParams) -> tuple[str, str]:
-        return EAGLE3.drafter(EagleParams(ttt=params.ttt))
+    def drafter(cls, params: SSDParams) -> tuple[str, str] | None:
+        """The trained EAGLE-3 head, unless a draft model drafts (it needs no training)."""
+        return None if params.draft_model else EAGLE3.drafter(EagleParams(ttt=params.ttt))
 
     @classmethod
     def theoretical_speedup(cls, summary) -> float | None:
@@ -124,7 +133,8 @@ class SSD(Method):
                     "hit (all but each sample's first); tokens/forward: tokens committed per target forward; "
                     "theoretical: tau*L/(L + f*Ls*k), f the share of rounds the fallback drafted; modeled: AR's "
                     "measured time per token over SSD's with drafting overlapped (max(verify, speculate) + head "
-                    "update + fallback per round; one-process runs); wall-clock: measured, drafting and verifying "
+                    "update + fallback per round; [distributed]: each round's times as measured on the two ranks); "
+                    "wall-clock: measured, drafting and verifying "
                     "in turn in one process, overlapped with the drafter in a rank of its own ([distributed]); vs "
                     "synchronous: decode tokens/s over synchronous speculative decoding's (EAGLE-3 with the same "
                     "head and k), timed after SSD on every sample")
@@ -152,9 +162,11 @@ class SSD(Method):
 
     def __init__(self, target, params: SSDParams, stop_ids, checkpoint=None, head=None):
         super().__init__(target, params, stop_ids, checkpoint)
-        # The synchronous method with the same head and k: its verification forward is SSD's.
-        self.eagle = EAGLE3(target, EagleParams(m=params.k, ttt=params.ttt), stop_ids, checkpoint, head=head)
-        self.head = self.eagle.head
+        if params.draft_model:
+            self.drafter = ModelDrafter.load(params.draft_model, target)
+        else:
+            self.drafter = HeadDrafter(head or load_head(target, EagleParams(m=params.k, ttt=params.ttt), checkpoint))
+        self.verify = partial(verify_round, target, self.drafter.layers)  # EAGLE-3's verification forward
         self.remote = None  # the drafter's rank, under --executor distributed
 
     def distribute(self, group, dtype: str):
@@ -172,19 +184,24 @@ class SSD(Method):
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         timer = Timer(self.target.device)
         saved = None if sampler.generator is None else (sampler.generator.device, sampler.generator.get_state())
-        first, captured = self.eagle.prefill(prompt_ids, sampler, timer)
+        first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
         if self.remote is not None:
             generation = self._remote_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
         else:
-            generation = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.eagle._verify)
+            generation = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.verify)
         self._time_synchronous(generation, prompt_ids, max_new_tokens, Sampler(sampler.config, _restored(saved)))
         return generation
 
     def _time_synchronous(self, generation: Generation, prompt_ids: list[int], max_new_tokens: int,
                           sampler: Sampler) -> None:
-        """Synchronous speculative decoding with the same head and k on the same prompt and seed, after SSD: its
-        decode time and tokens go into SSD's record, so "vs synchronous" is measured per sample, as AR's is."""
-        synchronous = self.eagle.generate(prompt_ids, max_new_tokens, sampler)
+        """Synchronous speculative decoding with the same drafter and k on the same prompt and seed, after SSD: each
+        round drafts k tokens from the drafter's own distribution, then verifies them (no speculation cache, no
+        Saguaro). Its decode time and tokens go into SSD's record, so "vs synchronous" is measured per sample, as
+        AR's is."""
+        timer = Timer(self.target.device)
+        first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
+        synchronous = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.verify,
+                                   synchronous=True)
         generation.timing["synchronous_decode"] = synchronous.timing["decode"]
         generation.stats.update(synchronous_tokens=len(synchronous.output_ids), synchronous_samples=1)
 
@@ -199,14 +216,15 @@ class SSD(Method):
         return rounds_on_trajectory(
             lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
                                                               verify),
-            self.target, prompt_ids, trajectory, self.eagle.layers, sampler)
+            self.target, prompt_ids, trajectory, self.drafter.layers, sampler)
 
     def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
-                timer: Timer, verify) -> Generation:
-        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback."""
+                timer: Timer, verify, synchronous: bool = False) -> Generation:
+        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback
+        (`synchronous`: no speculation, every round drafts k tokens before it verifies them)."""
         k = self.params.k
         with timer("prefill"):
-            head = _Head.started(self.head, self.target.max_len, prompt_ids, first, captured)
+            head = self.drafter.started(self.target.max_len, prompt_ids, first, captured)
         output, accepted, position_accepts = [first], [], [0] * k
         rounds = _Round(hits=[])
         base = len(prompt_ids)  # position of the newest committed token
@@ -215,11 +233,13 @@ class SSD(Method):
             while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
                 before = dict(timer.totals)
                 if drafts is None:
-                    drafts = self._fallback(head, base, sampler, timer)
+                    drafts = self._fallback(head, base, sampler, timer, synchronous)
                     rounds.fallback_drafts += len(drafts) > 0
                 rounds.hits.append(int(cached))
-                with timer("speculate"):
-                    cache = self._speculate(head, base, drafts, sampler)
+                cache = {}
+                if not synchronous:
+                    with timer("speculate"):
+                        cache = self._speculate(head, base, drafts, sampler)
                 with timer("verify"):
                     path, bonus, features = verify(drafts, output[-1], base, sampler)
                 new = commit(output, [drafts[i].token for i in path] + [bonus], max_new_tokens, self.stop_ids)
@@ -241,14 +261,14 @@ class SSD(Method):
             timing={**timer.totals, "modeled": rounds.modeled},
             stats={"hits": rounds.hits, "cache_hits": sum(rounds.hits), "fallback_drafts": rounds.fallback_drafts,
                    "speculated": rounds.speculated,
-                   "draft": {"num_layers": self.target.num_layers, "ls": 1, "m": k, "width": 1}},
+                   "draft": self._shape()},
         )
 
     def _remote_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
                        sampler: Sampler, timer: Timer) -> Generation:
         """The rounds with the drafter in its own rank: verify here, draft there (the same cache and fallbacks)."""
         output, accepted, position_accepts = [first], [], [0] * self.params.k
-        base, hits, drafter = len(prompt_ids), [], {}
+        base, hits, drafter, verified, per_round = len(prompt_ids), [], {}, [], []
         with timer("decode"):
             if len(output) < max_new_tokens and first not in self.stop_ids:
                 self.remote.start(prompt_ids, first, captured, sampler)
@@ -256,8 +276,10 @@ class SSD(Method):
                 while not done:
                     with timer("wait"):  # the drafter's head update and lookup, or its fallback
                         drafts = self.remote.drafts()
+                    before = timer.totals.get("verify", 0.0)
                     with timer("verify"):
-                        path, bonus, features = self.eagle._verify(drafts, output[-1], base, sampler)
+                        path, bonus, features = self.verify(drafts, output[-1], base, sampler)
+                    verified.append(timer.totals["verify"] - before)
                     new = commit(output, [drafts[i].token for i in path] + [bonus], max_new_tokens, self.stop_ids)
                     accepted.append(len(new))
                     for j in range(min(len(path), len(new))):
@@ -266,51 +288,54 @@ class SSD(Method):
                     self.remote.outcome(len(path), bonus, new, {layer: h[:, : len(new)] for layer, h in
                                                                 features.items()}, done)
                     base += len(new)
-                hits, drafter = self.remote.finish(len(accepted))
+                hits, drafter, per_round = self.remote.finish(len(accepted))
         counts = {name: int(drafter.get(name, 0)) for name in ("cache_hits", "fallback_drafts", "speculated")}
+        # The one-process model from this run's own times: each round's verification against its speculation.
+        modeled = sum(_modeled({}, {"verify": seconds, **drafted}) for seconds, drafted in zip(verified, per_round))
         return Generation(
             output_ids=output,
             steps=len(accepted),
             accepted=accepted,
             position_accepts=position_accepts,
-            timing={**timer.totals, **{f"drafter_{name}": drafter.get(name, 0.0)
-                                       for name in ("speculate", "fallback", "head_update")}},
+            timing={**timer.totals, "modeled": modeled, **{f"drafter_{name}": drafter.get(name, 0.0)
+                                                           for name in ("speculate", "fallback", "head_update")}},
             stats={"hits": hits, **counts, "executor": self.remote.report,
-                   "draft": {"num_layers": self.target.num_layers, "ls": 1, "m": self.params.k, "width": 1}},
+                   "draft": self._shape()},
         )
 
     # --- drafting -------------------------------------------------------------------------------------------------
-    def _fallback(self, head: _Head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
-        """The drafts of a round nothing was cached for: k drafted now (jit), or none."""
-        if self.params.fallback == "none":
+    def _fallback(self, head, base: int, sampler: Sampler, timer: Timer, synchronous: bool = False) -> list[Node]:
+        """The drafts of a round nothing was cached for: k drafted now (jit), or none; a synchronous round always
+        drafts k, from the drafter's own distribution."""
+        if self.params.fallback == "none" and not synchronous:
             return []
         with timer("fallback"):
             nodes: list[Node] = []
-            self._extend(head, nodes, [-1], base, sampler)
+            self._extend(head, nodes, [-1], base, sampler, 1.0 if synchronous else self.params.saguaro_x)
         return nodes
 
-    def _speculate(self, head: _Head, base: int, drafts: list[Node], sampler: Sampler) -> dict[tuple, list[Node]]:
+    def _speculate(self, head, base: int, drafts: list[Node], sampler: Sampler) -> dict[tuple, list[Node]]:
         """The speculation cache of the next round: {(accepted count, bonus token): its k drafts}."""
         nodes = [Node(d.token, i - 1, i + 1, q=d.q) for i, d in enumerate(drafts)]
         for i in range(len(nodes)):  # the head's own states for this round's drafts
             nodes[i].state = head.draft_rows(nodes, [i], base)
         states = torch.cat([head.root] + [n.state for n in nodes], dim=1)
         logits = self._logits(states, [base + 1 + a for a in range(len(nodes) + 1)])  # after a accepted drafts
-        outcomes = []
+        outcomes, drafted = [], len(nodes)  # the guesses join `nodes` below
         for accepted, row in enumerate(logits):
-            if accepted < len(nodes):  # had the target chosen the draft, it would have been accepted
+            if accepted < drafted:  # had the target chosen the draft, it would have been accepted
                 row = row.clone()
                 row[nodes[accepted].token] = float("-inf")
             guesses = torch.topk(row, min(self.params.fan_outs[accepted], row.shape[-1])).indices.tolist()
             for token in guesses:
                 outcomes.append((accepted, token, len(nodes)))
                 nodes.append(Node(token, accepted - 1, accepted + 1))
-        chains = self._extend(head, nodes, [index for _, _, index in outcomes], base, sampler)
+        chains = self._extend(head, nodes, [index for _, _, index in outcomes], base, sampler, self.params.saguaro_x)
         return {(accepted, token): chain for (accepted, token, _), chain in zip(outcomes, chains)}
 
-    def _extend(self, head: _Head, nodes: list[Node], frontier: list[int], base: int, sampler: Sampler
+    def _extend(self, head, nodes: list[Node], frontier: list[int], base: int, sampler: Sampler, saguaro_x: float
                 ) -> list[list[Node]]:
-        """k drafts below each frontier node (-1: the root), all frontier rows in each head call; returns each
+        """k drafts below each frontier node (-1: the root), all frontier rows in each drafter call; returns each
         chain as a fresh round of drafts (parents and depths from 1)."""
         chains: list[list[Node]] = [[] for _ in frontier]
         for step in range(self.params.k):
@@ -320,7 +345,7 @@ class SSD(Method):
                     nodes[index].state = states[:, i: i + 1]
             rows = torch.cat([nodes[i].state if i >= 0 else head.root for i in frontier], dim=1)
             positions = [base + 1 + (nodes[i].depth if i >= 0 else 0) for i in frontier]
-            tokens, qs = self._draw(self._logits(rows, positions), sampler)
+            tokens, qs = self._draw(self._logits(rows, positions), sampler, saguaro_x)
             children = []
             for chain, parent, token, q in zip(chains, frontier, tokens, qs):
                 depth = nodes[parent].depth + 1 if parent >= 0 else 1
@@ -331,16 +356,20 @@ class SSD(Method):
         return chains
 
     def _logits(self, states: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """The head's full-vocabulary draft logits [R, V] for head states [1, R, D], row r drafting the token at
+        """The drafter's full-vocabulary draft logits [R, V] for its states [1, R, D], row r drafting the token at
         positions[r] (tests steer the drafter by position)."""
-        return self.head.full_vocab(self.head.head_logits(states))[0]
+        return self.drafter.logits(states)
 
-    def _draw(self, logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], list]:
-        """One draft per row of logits [R, V]: the argmax at T=0, else a sample of Saguaro's q (kept for the p/q
-        rule)."""
+    def _shape(self) -> dict:
+        """What the speedup formulas need: target layers, a drafted token's cost in target layers, k."""
+        return {"num_layers": self.target.num_layers, "ls": self.drafter.cost_layers, "m": self.params.k, "width": 1}
+
+    def _draw(self, logits: torch.Tensor, sampler: Sampler, saguaro_x: float) -> tuple[list[int], list]:
+        """One draft per row of logits [R, V]: the argmax at T=0, else a sample of Saguaro's q (x = 1: the drafter's
+        own distribution; kept for the p/q rule)."""
         if sampler.greedy:
             return logits.argmax(-1).tolist(), [None] * len(logits)
-        q = saguaro(sampler.probs(logits), self.params.saguaro_x, self.params.fan_out)
+        q = saguaro(sampler.probs(logits), saguaro_x, self.params.fan_out)
         tokens = torch.multinomial(q, 1, generator=sampler.generator)[:, 0].tolist()
         return tokens, list(q)
 

@@ -19,12 +19,13 @@ import torch.distributed as dist
 from harness.errors import HarnessError
 from harness.target import TargetRuntime
 from methods.base import Timer
-from methods.eagle3 import Node, _Head
+from methods.eagle3 import Node
 from methods.sampling import Sampler, SamplingConfig
 
 START, OUTCOME, STOP = range(3)
 HEADER = 6  # control vector: [op, a, b, c, d, e]
 STATS = ("cache_hits", "fallback_drafts", "speculated", "speculate", "fallback", "head_update")
+ROUND_SECONDS = ("fallback", "speculate", "head_update")  # the drafter's per round, for the modeled time
 
 
 @dataclass
@@ -58,7 +59,7 @@ class RemoteDrafter:
         if group.world_size != 2:
             raise HarnessError(f"the process group has {group.world_size} ranks; ssd needs 2 (driver and drafter)")
         target = method.target
-        self.wire, self.target, self.layers, self.k = group.wire, target, tuple(method.eagle.layers), method.params.k
+        self.wire, self.target, self.layers, self.k = group.wire, target, tuple(method.drafter.layers), method.params.k
         self.report = {"kind": "distributed", "backend": group.backend, "world_size": group.world_size,
                        "devices": group.devices}  # the record's executor (the report labels such runs)
         plan = DrafterPlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
@@ -85,7 +86,8 @@ class RemoteDrafter:
         self._send(vector)
 
     def _features(self, captured: dict[int, torch.Tensor]) -> None:
-        self._send(torch.cat([captured[layer] for layer in self.layers], dim=0))
+        if self.layers:  # a draft model reads none
+            self._send(torch.cat([captured[layer] for layer in self.layers], dim=0))
 
     def start(self, prompt_ids: list[int], first: int, captured: dict, sampler: Sampler) -> None:
         """A generation: the prompt, its first token and the head's features over the prompt; the drafter's own
@@ -109,18 +111,20 @@ class RemoteDrafter:
         self._send(torch.tensor(new, dtype=torch.long))
         self._features(features)
 
-    def finish(self, rounds: int) -> tuple[list[int], dict[str, float]]:
-        """After the last outcome: which rounds hit the cache, and the drafter's counts and seconds."""
+    def finish(self, rounds: int) -> tuple[list[int], dict[str, float], list[dict[str, float]]]:
+        """After the last outcome: which rounds hit the cache, the drafter's counts and seconds, and its seconds per
+        round (ROUND_SECONDS)."""
         hits = self._recv((rounds,), torch.long).tolist()
         stats = self._recv((len(STATS),), torch.float64).tolist()
-        return hits, dict(zip(STATS, stats))
+        per_round = self._recv((rounds, len(ROUND_SECONDS)), torch.float64).tolist()
+        return hits, dict(zip(STATS, stats)), [dict(zip(ROUND_SECONDS, row)) for row in per_round]
 
     def close(self) -> None:
         self._header(STOP)
 
 
 class DrafterServer:
-    """The drafter rank: an SSD instance (methods/ssd.py) whose head drafts rounds and speculation caches."""
+    """The drafter rank: an SSD instance (methods/ssd.py) whose drafter drafts rounds and speculation caches."""
 
     def __init__(self, plan: DrafterPlan, device: str, wire: torch.device):
         from transformers.utils import logging as hf_logging
@@ -134,13 +138,13 @@ class DrafterServer:
             raise HarnessError(f"model {plan.model} on the drafter rank has weights "
                                f"{loaded.identity.weights_sha256[:12]}, the driver's are {plan.weights_sha256[:12]}; "
                                f"give every machine the same files")
-        # The drafter reads only the target's embedding, final norm and rotary embedding (the head's frozen parts).
+        # A head reads only the target's embedding, final norm and rotary embedding (its frozen parts).
         target = TargetRuntime(loaded.model, max_len=plan.max_len, identity=loaded.identity)
         ssd = SSD(target, plan.params, set(), plan.checkpoint)
         self.ssd = plan.method.__new__(plan.method)
         self.ssd.__dict__.update({**ssd.__dict__, **plan.state})
         self.plan, self.wire, self.device = plan, wire, target.device
-        self.layers = tuple(self.ssd.eagle.layers)
+        self.layers = tuple(self.ssd.drafter.layers)
         self.hidden, self.dtype = target.config.hidden_size, target.dtype
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -152,6 +156,8 @@ class DrafterServer:
         dist.send(tensor.to(self.wire).contiguous(), dst=0)
 
     def _features(self, count: int) -> dict[int, torch.Tensor]:
+        if not self.layers:
+            return {}
         packed = self._recv((len(self.layers), count, self.hidden), self.dtype)
         return {layer: packed[i: i + 1] for i, layer in enumerate(self.layers)}
 
@@ -171,8 +177,9 @@ class DrafterServer:
                           torch.Generator(device=self.device).manual_seed(seed))
         prompt = self._recv((prompt_len,), torch.long).tolist()
         ssd, timer = self.ssd, Timer(self.device)
-        head = _Head.started(ssd.head, self.plan.max_len, prompt, first, self._features(prompt_len))
-        base, hits, counts = prompt_len, [], dict.fromkeys(STATS[:3], 0)
+        head = ssd.drafter.started(self.plan.max_len, prompt, first, self._features(prompt_len))
+        base, hits, counts, per_round = prompt_len, [], dict.fromkeys(STATS[:3], 0), []
+        mark = dict(timer.totals)  # a round's seconds: its fallback (on a miss), its speculation, its head update
         drafts, cached = ssd._fallback(head, base, sampler, timer), False
         counts["fallback_drafts"] += len(drafts) > 0
         while True:
@@ -183,10 +190,13 @@ class DrafterServer:
             counts["speculated"] += len(cache)
             _, accepted, bonus, count, done, _ = self._recv((HEADER,), torch.long).tolist()
             new, features = self._recv((count,), torch.long).tolist(), self._features(count)
+            if not done:
+                with timer("head_update"):
+                    head.append(new, features, start=base + 1)
+            per_round.append([timer.totals.get(name, 0.0) - mark.get(name, 0.0) for name in ROUND_SECONDS])
+            mark = dict(timer.totals)
             if done:
                 break
-            with timer("head_update"):
-                head.append(new, features, start=base + 1)
             base += count
             drafts = cache.get((accepted, bonus))
             cached = drafts is not None
@@ -197,6 +207,7 @@ class DrafterServer:
         self._send(torch.tensor(hits, dtype=torch.long))
         self._send(torch.tensor([counts[s] for s in STATS[:3]] + [timer.totals.get(s, 0.0) for s in STATS[3:]],
                                 dtype=torch.float64))
+        self._send(torch.tensor(per_round, dtype=torch.float64))
 
     def _send_drafts(self, drafts: list[Node], greedy: bool) -> None:
         k = self.ssd.params.k

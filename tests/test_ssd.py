@@ -9,7 +9,8 @@ from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
 from harness.errors import HarnessError
 from harness.target import TargetRuntime
-from methods.base import build_method, parse_params
+from methods.base import Timer, build_method, parse_params
+from methods.eagle3 import EAGLE3, EagleParams
 from methods.eagle_head import EagleConfig, EagleHead
 from methods.sampling import Sampler, SamplingConfig
 from methods.ssd import SSD, SSDParams, saguaro
@@ -102,7 +103,7 @@ def test_sampled_tokens_follow_the_target_distribution(x, fallback):
     model = flat_target(vocab)
     _, method = _ssd(model, k=2, fan_out=2, saguaro_x=x, fallback=fallback)
     with torch.no_grad():  # a head far from the target, so a wrong rule would show
-        method.head.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))
+        method.drafter.head.head.weight.copy_(torch.randn(vocab, 64, generator=torch.Generator().manual_seed(0)))
     assert sampled_joint_tv(method, model, vocab) < 0.07
 
 
@@ -150,24 +151,77 @@ def test_the_report_gives_ssd_its_own_table():
 
 
 def test_synchronous_decoding_is_timed_beside_ssd_from_the_same_seed():
+    """After SSD's rounds, plain draft-then-verify rounds with the same drafter and k (no cache, no Saguaro) run from
+    the sample's seed; at T=0 they are EAGLE-3's chain rounds with m = k, draft for draft."""
     model = tiny_model("llama")
-    target, method = _ssd(model, k=3, fan_out=2)
-    sampling = SamplingConfig(temperature=1.0)
-    seen = []
-    generate = method.eagle.generate
+    target, method = _ssd(model, k=3, fan_out=2, saguaro_x=0.5)
+    seeds = []
+    time_synchronous = method._time_synchronous
 
-    def synchronous(prompt, max_new_tokens, sampler):
-        seen.append(sampler.generator.get_state())
-        return generate(prompt, max_new_tokens, sampler)
+    def spied(generation, prompt, max_new_tokens, sampler):
+        seeds.append(sampler.generator.get_state())
+        return time_synchronous(generation, prompt, max_new_tokens, sampler)
 
-    method.eagle.generate = synchronous
-    generation = method.generate([5, 6], 20, Sampler(sampling, torch.Generator().manual_seed(3)))
-    assert len(seen) == 1 and torch.equal(seen[0], torch.Generator().manual_seed(3).get_state())
+    method._time_synchronous = spied
+    sampled = Sampler(SamplingConfig(temperature=1.0), torch.Generator().manual_seed(3))
+    generation = method.generate([5, 6], 20, sampled)
+    assert len(seeds) == 1 and torch.equal(seeds[0], torch.Generator().manual_seed(3).get_state())
     assert generation.stats["synchronous_samples"] == 1 and generation.stats["synchronous_tokens"] == 20
     assert generation.timing["synchronous_decode"] > 0
-    alone = SSD(target, method.params, set(), head=method.head)  # SSD's own tokens do not depend on the extra run
-    assert alone.generate([5, 6], 20, Sampler(sampling, torch.Generator().manual_seed(3))).output_ids == \
-        generation.output_ids
+    alone = SSD(target, method.params, set(), head=method.drafter.head)  # SSD's tokens do not depend on the extra run
+    assert alone.generate([5, 6], 20, Sampler(SamplingConfig(temperature=1.0), torch.Generator().manual_seed(3))
+                          ).output_ids == generation.output_ids
+
+    eagle = EAGLE3(target, EagleParams(m=3, ttt=3), set(), head=method.drafter.head)
+    timer = Timer(target.device)
+    first, captured = eagle.prefill([5, 6], Sampler(GREEDY), timer)
+    synchronous = method._rounds([5, 6], first, captured, 20, Sampler(GREEDY), timer, method.verify, synchronous=True)
+    chain = eagle.generate([5, 6], 20, Sampler(GREEDY))
+    assert (synchronous.output_ids, synchronous.accepted) == (chain.output_ids, chain.accepted)
+
+
+# --- a standalone draft model (--draft-model) --------------------------------------------------------------------------
+def _saved(model, folder):
+    model.save_pretrained(folder)  # before any runtime stores its weights column-major
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_a_draft_model_drafts_losslessly_and_the_target_drafting_for_itself_hits_every_round(tmp_path, arch):
+    model = tiny_model(arch)
+    other = _saved(tiny_model(arch, num_layers=4, seed=1), tmp_path / "other")
+    itself = _saved(model, tmp_path / "itself")
+    target = TargetRuntime(model, max_len=512)
+    ar = build_method("autoregressive", target, {}, set())
+    drafted = SSD(target, SSDParams(k=3, fan_out=2, draft_model=other), set())
+    assert SSD.drafter(drafted.params) is None and drafted.drafter.layers == ()  # no trained drafter, no features
+    assert drafted._shape()["ls"] == pytest.approx(4, rel=0.3)  # 4 layers shaped like the target's 6
+    for prompt in ([7], list(range(10, 19))):
+        reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
+        assert drafted.generate(prompt, 24, Sampler(GREEDY)).output_ids == reference
+    # The target as its own draft model: every draft is accepted and every bonus token was guessed.
+    perfect = SSD(target, SSDParams(k=3, fan_out=2, draft_model=itself), set())
+    reference = ar.generate([7], 24, Sampler(GREEDY)).output_ids
+    generation = perfect.generate([7], 24, Sampler(GREEDY))
+    assert generation.output_ids == reference
+    assert generation.stats["cache_hits"] == generation.steps - 1 and generation.stats["fallback_drafts"] == 1
+    assert all(count == 4 for count in generation.accepted[:-1]) and perfect._shape()["ls"] == 6
+
+
+def test_a_draft_model_samples_the_target_distribution(tmp_path):
+    vocab = 4
+    model = flat_target(vocab)
+    draft = tiny_model("llama", num_layers=2, vocab_size=vocab, seed=5)  # far from the target
+    target = TargetRuntime(model, max_len=64)
+    folder = _saved(draft, tmp_path / "draft")
+    method = SSD(target, SSDParams(k=2, fan_out=2, saguaro_x=0.3, draft_model=folder), set())
+    assert sampled_joint_tv(method, model, vocab) < 0.07
+
+
+def test_a_draft_model_must_share_the_target_vocabulary(tmp_path):
+    folder = _saved(tiny_model("llama", vocab_size=128), tmp_path / "draft")
+    with pytest.raises(HarnessError, match="128 token ids, the target 256; pass a --draft-model with the target's"):
+        SSD(TargetRuntime(tiny_model("llama"), max_len=64), SSDParams(draft_model=folder), set())
 
 
 # --- the drafter in a rank of its own (--executor distributed) -------------------------------------------------------
@@ -218,8 +272,32 @@ def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, ar
     assert 0 < generation.stats["cache_hits"] < generation.steps - 1  # hits and misses both crossed the wire
     for name in ("fallback_drafts", "speculated", "cache_hits"):
         assert generation.stats[name] == local.stats[name]
-    assert generation.timing["wait"] > 0 and generation.timing["drafter_speculate"] > 0
+    timing = generation.timing
+    assert timing["wait"] > 0 and timing["drafter_speculate"] > 0
+    # modeled from each round's times on both ranks: at least the verification, at most everything in turn
+    drafted = sum(timing[f"drafter_{name}"] for name in ("speculate", "head_update", "fallback"))
+    assert timing["verify"] <= timing["modeled"] <= timing["verify"] + drafted
     assert generation.stats["executor"]["kind"] == "distributed" and generation.stats["executor"]["world_size"] == 2
+
+
+def test_a_draft_model_in_its_own_rank_drafts_what_one_process_drafts(tmp_path):
+    """The draft model reads no target features, so none cross the wire; rounds and hits equal one process's."""
+    from harness import launch
+    from harness.models import load_model
+
+    folder = _saved(tiny_model("qwen3_5"), tmp_path / "target")
+    draft = _saved(tiny_model("qwen3_5", num_layers=4, seed=1), tmp_path / "draft")
+    loaded = load_model(folder, "cpu", "float32", tokenizer=False)
+    target = TargetRuntime(loaded.model, max_len=256, identity=loaded.identity)
+    method = SSD(target, SSDParams(k=3, fan_out=3, draft_model=draft), set())
+    prompt = list(range(10, 19))
+    local = method.generate(prompt, 24, Sampler(GREEDY))
+    with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
+        executor = method.distribute(group, "float32")
+        generation = method.generate(prompt, 24, Sampler(GREEDY))
+        executor.close()
+    assert generation.output_ids == local.output_ids
+    assert generation.accepted == local.accepted and generation.stats["hits"] == local.stats["hits"]
 
 
 def test_the_drafter_in_its_own_rank_samples_the_target_distribution(tmp_path):
@@ -248,3 +326,24 @@ def test_only_families_that_serve_ranks_run_distributed(tiny_dir, eval_dir, tmp_
     two = CliRunner().invoke(main, ["run", "--method", "ssd", "--executor", "distributed", "--devices", "cpu,cpu",
                                     "--model", str(tiny_dir), "--data-dir", str(eval_dir)])
     assert two.exit_code == 2 and "ssd's drafter takes one" in two.output
+
+
+def test_run_drafts_with_a_draft_model_from_the_command_line(tiny_dir, eval_dir, tmp_path, monkeypatch):  # noqa: F811
+    import json
+
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ssd.jsonl"
+    result = CliRunner().invoke(main, ["run", "--method", "ssd", "--k", "2", "--draft-model", str(tiny_dir),
+                                       "--model", str(tiny_dir), "--data-dir", str(eval_dir), "--limit", "1",
+                                       "--max-new-tokens", "12", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["params"]["draft_model"] == str(tiny_dir) and row["lossless"]["identical"]
+                        for row in rows)
+    # the target drafting for itself: every round after the first found its drafts in the cache
+    assert all(row["stats"]["cache_hits"] == row["steps"] - 1 and row["stats"]["synchronous_samples"] == 1
+               for row in rows)
