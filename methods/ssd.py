@@ -134,10 +134,10 @@ class SSD(Method):
                     "theoretical: tau*L/(L + f*Ls*k), f the share of rounds the fallback drafted; modeled: AR's "
                     "measured time per token over SSD's with drafting overlapped (max(verify, speculate) + head "
                     "update + fallback per round; [distributed]: each round's times as measured on the two ranks); "
-                    "wall-clock: measured, drafting and verifying "
-                    "in turn in one process, overlapped with the drafter in a rank of its own ([distributed]); vs "
-                    "synchronous: decode tokens/s over synchronous speculative decoding's (EAGLE-3 with the same "
-                    "head and k), timed after SSD on every sample")
+                    "wall-clock: measured, drafting and verifying in turn in one process, overlapped with the "
+                    "drafter in a rank of its own ([distributed]); vs synchronous: decode tokens/s over synchronous "
+                    "speculative decoding's (each round k drafts by the same drafter, then their verification), "
+                    "timed after SSD on every sample")
 
     @classmethod
     def figures(cls, summary) -> dict[str, float | None]:
@@ -149,8 +149,8 @@ class SSD(Method):
 
     @classmethod
     def synchronous_speedup(cls, summary) -> float | None:
-        """Decode tokens/s over synchronous speculative decoding's with the same head and k, timed beside SSD on the
-        same samples (records from before it was timed: None)."""
+        """Decode tokens/s over synchronous speculative decoding's with the same drafter and k, timed beside SSD on
+        the same samples (records from before it was timed: None)."""
         ours, decode = summary.tokens_per_second, summary.timing.get("synchronous_decode", 0.0)
         if ours is None or decode <= 0 or summary.counts.get("synchronous_samples", 0) != summary.samples:
             return None
