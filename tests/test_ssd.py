@@ -198,7 +198,10 @@ def test_a_draft_model_drafts_losslessly_and_the_target_drafting_for_itself_hits
     assert drafted._shape()["ls"] == pytest.approx(4, rel=0.3)  # 4 layers shaped like the target's 6
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        assert drafted.generate(prompt, 24, Sampler(GREEDY)).output_ids == reference
+        executed = drafted.generate(prompt, 24, Sampler(GREEDY))
+        assert executed.output_ids == reference
+        replayed = drafted.simulate(prompt, reference, 24, Sampler(GREEDY))
+        assert (replayed.accepted, replayed.stats["hits"]) == (executed.accepted, executed.stats["hits"])
     # The target as its own draft model: every draft is accepted and every bonus token was guessed.
     perfect = SSD(target, SSDParams(k=3, fan_out=2, draft_model=itself), set())
     reference = ar.generate([7], 24, Sampler(GREEDY)).output_ids
