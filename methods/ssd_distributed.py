@@ -1,12 +1,14 @@
 """SSD across two processes: the target verifies on the driver while the drafter, in a rank of its own, drafts the
 speculation cache for the next round (methods/ssd.py holds the algorithm; this file moves it across ranks).
 
-Per generation the driver sends the prompt's head features after its prefill. Per round the drafter sends the
-round's drafts, drafts the cache while the driver verifies them, then receives the outcome (accepted count, bonus
-token, the committed tokens and their target features), updates its head and answers with the next round's drafts:
-from the cache on a hit, from the fallback on a miss. Drafting the cache overlaps verification for real; what the
-driver waits for between rounds is the head update plus the lookup, or the fallback. Every message is point to point
-between rank 0 and rank 1 and every wait is bounded by the group's timeout.
+Per generation the driver sends the prompt's target features after its prefill (those the drafter reads: a head's
+layers, none for a draft model). Per round the drafter sends the round's drafts, drafts the cache while the driver
+verifies them, then receives the outcome (accepted count, bonus token, the committed tokens and their features),
+updates its state and answers with the next round's drafts: from the cache on a hit, from the fallback on a miss.
+Drafting the cache overlaps verification for real; what the driver waits for between rounds is the update plus the
+lookup, or the fallback. At the end of a generation the drafter reports its seconds per round, from which the
+driver models the overlap as the one-process run does. Every message is point to point between rank 0 and rank 1
+and every wait is bounded by the group's timeout.
 """
 
 from __future__ import annotations
