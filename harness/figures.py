@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from harness.metrics import Summary, find  # noqa: E402
+from harness.metrics import Block, Summary, find  # noqa: E402
 
 
 def _name(s: Summary) -> str:
@@ -23,12 +23,13 @@ def _name(s: Summary) -> str:
 
 
 def _label(s: Summary) -> str:
-    return f"{_name(s)} width={s.width} T={s.temperature:g}" + (" [distributed]" if s.executor == "distributed" else "")
+    return f"{_name(s)} width={s.width} T={s.sampling}" + (" [distributed]" if s.executor == "distributed" else "")
 
 
 def _preferred(summaries: list[Summary]) -> list[Summary]:
     """One summary per model and configuration: the executed one where it was also simulated."""
-    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset, s.model) for s in summaries)
+    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset, s.model, truncation=s.truncation)
+              for s in summaries)
     return list({id(s): s for s in chosen}.values())
 
 
@@ -40,13 +41,13 @@ def acceptance(summaries: list[Summary], path: Path) -> Path | None:
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 2, figsize=(13, 3.6 * len(panels)), squeeze=False)
-    for (t, w), row in zip(panels, axes):
+    for block, row in zip(panels, axes):
         for ax, kind, xlabel in ((row[0], "pipeline", "pipeline fill level"), (row[1], "draft", "draft position")):
             for s in shown:
-                if (s.temperature, s.width) == (t, w) and getattr(s, kind) is not None:
+                if s.block == block and getattr(s, kind) is not None:
                     rates = [float("nan") if a is None else a for a in s.fill_acceptance]
                     ax.plot(range(len(rates)), rates, marker="o", label=_name(s))
-            ax.set_title(f"T={t:g}, width {w}")
+            ax.set_title(block.title)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("acceptance rate")
             ax.grid(alpha=0.3)
@@ -120,30 +121,31 @@ def cycle_breakdown(summaries: list[Summary], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def _panels(summaries: list[Summary]) -> list[tuple[float, int]]:
-    return sorted({(s.temperature, s.width) for s in summaries})
+def _panels(summaries: list[Summary]) -> list[Block]:
+    return sorted({s.block for s in summaries})
 
 
-def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, t: float, w: int) -> tuple[list, list]:
+def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, block: Block) -> tuple[list, list]:
     """(x, theoretical speedup) along `axis` for one method at fixed parameters; executed runs before simulated."""
-    fixed = {**fixed, "width": w}
-    values = {s.params[axis] for s in summaries if axis in s.params and s.matches(method, fixed, t)}
-    found = {x: find(summaries, method, {**fixed, axis: x}, t) for x in values}
+    fixed = {**fixed, "width": block.width}
+    t, truncation = block.temperature, block.truncation
+    values = {s.params[axis] for s in summaries if axis in s.params and s.matches(method, fixed, t, truncation)}
+    found = {x: find(summaries, method, {**fixed, axis: x}, t, truncation=truncation) for x in values}
     xs = sorted(x for x, s in found.items() if s.theoretical_speedup is not None)
     return xs, [found[x].theoretical_speedup for x in xs]
 
 
 def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int]) -> Path | None:
-    """One panel per (T, width), two per row, integer ticks on the x axis."""
+    """One panel per block (T, width), two per row, integer ticks on the x axis."""
     if not panels:
         return None
     rows = (len(panels) + 1) // 2
     fig, axes = plt.subplots(rows, min(2, len(panels)), figsize=(10 if len(panels) > 1 else 5, 3.8 * rows),
                              squeeze=False)
     drawn = False
-    for ax, (t, w) in zip(axes.flat, panels):
-        drawn |= draw(ax, t, w)
-        ax.set_title(f"T={t:g}, width {w}")
+    for ax, block in zip(axes.flat, panels):
+        drawn |= draw(ax, block)
+        ax.set_title(block.title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("theoretical speedup")
         ax.set_xticks(ticks)
@@ -160,14 +162,14 @@ def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int
 
 def speedup_over_n(summaries: list[Summary], path: Path) -> Path | None:
     """Theoretical speedup vs pipeline stages n: SPD per Ls and PPSD as lines, EAGLE-3 per m as flat references."""
-    def draw(ax, t, w) -> bool:
-        lines = [(f"SPD Ls={ls}", _series(summaries, "spd", {"ls": ls, "schedule": "input"}, "n", t, w))
+    def draw(ax, block) -> bool:
+        lines = [(f"SPD Ls={ls}", _series(summaries, "spd", {"ls": ls, "schedule": "input"}, "n", block))
                  for ls in sorted({s.params.get("ls") for s in summaries if s.method == "spd"})]
-        lines.append(("PPSD", _series(summaries, "ppsd", {}, "n", t, w)))
+        lines.append(("PPSD", _series(summaries, "ppsd", {}, "n", block)))
         for name, (xs, ys) in lines:
             if xs:
                 ax.plot(xs, ys, marker="o", label=name)
-        xs, ys = _series(summaries, "eagle3", {}, "m", t, w)
+        xs, ys = _series(summaries, "eagle3", {}, "m", block)
         for m, y in zip(xs, ys):
             ax.axhline(y, linestyle="--", linewidth=1, color="gray")
             ax.annotate(f"EAGLE-3 m={m}", (4, y), fontsize=7, va="bottom")
@@ -179,9 +181,9 @@ def speedup_over_n(summaries: list[Summary], path: Path) -> Path | None:
 
 def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
     """SPD (input schedule) theoretical speedup vs drafter depth Ls, one line per n."""
-    def draw(ax, t, w) -> bool:
+    def draw(ax, block) -> bool:
         for n in sorted({s.params.get("n") for s in summaries if s.method == "spd"}):
-            xs, ys = _series(summaries, "spd", {"n": n, "schedule": "input"}, "ls", t, w)
+            xs, ys = _series(summaries, "spd", {"n": n, "schedule": "input"}, "ls", block)
             if xs:
                 ax.plot(xs, ys, marker="o", label=f"SPD n={n}")
         return bool(ax.lines)

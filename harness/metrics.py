@@ -14,11 +14,31 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 OVERALL = "overall"
+NO_TRUNCATION = (0, 1.0)  # (top-k, top-p) of sampling with neither
+
+
+def sampling_label(temperature: float, truncation: tuple[int, float]) -> str:
+    """The temperature, with the truncation where one applied: "1 (top-k 50, top-p 0.95)"."""
+    k, p = truncation
+    return f"{temperature:g}" + (f" (top-k {k}, top-p {p:g})" if truncation != NO_TRUNCATION else "")
 
 
 def _add(totals: dict, values: dict) -> None:
     for key, value in values.items():
         totals[key] += value
+
+
+@dataclass(frozen=True, order=True)
+class Block:
+    """Runs shown side by side in a table or a figure panel: one temperature with its truncation, one draft width."""
+
+    temperature: float
+    truncation: tuple[int, float]
+    width: int
+
+    @property
+    def title(self) -> str:
+        return f"T={sampling_label(self.temperature, self.truncation)}, width {self.width}"
 
 
 @dataclass
@@ -29,6 +49,8 @@ class Summary:
     temperature: float
     dataset: str
     config_key: str = ""
+    top_k: int = 0  # sampling truncation (0 / 1.0: off); runs that differ only here are different configurations
+    top_p: float = 1.0
     samples: int = 0
     new_tokens: int = 0
     steps: int = 0
@@ -79,11 +101,27 @@ class Summary:
     def width(self) -> int:
         return int(self.params.get("width", 1))
 
-    def matches(self, method: str, params: dict, temperature: float) -> bool:
-        """Same method and temperature, and every listed parameter equal (width defaults to 1)."""
+    @property
+    def truncation(self) -> tuple[int, float]:
+        """(top-k, top-p) of a sampled run; greedy decoding (T=0) picks the same tokens under any truncation."""
+        return (self.top_k, self.top_p) if self.temperature > 0 else NO_TRUNCATION
+
+    @property
+    def sampling(self) -> str:
+        return sampling_label(self.temperature, self.truncation)
+
+    @property
+    def block(self) -> Block:
+        return Block(self.temperature, self.truncation, self.width)
+
+    def matches(self, method: str, params: dict, temperature: float,
+                truncation: tuple[int, float] = NO_TRUNCATION) -> bool:
+        """Same method, temperature and truncation (ignored at T=0), and every listed parameter equal (width
+        defaults to 1)."""
         own = {**self.params, "width": self.width}
-        return self.method == method and self.temperature == temperature and all(
-            own.get(k) == v for k, v in params.items())
+        wanted = tuple(truncation) if temperature > 0 else NO_TRUNCATION
+        return (self.method == method and self.temperature == temperature and self.truncation == wanted
+                and all(own.get(k) == v for k, v in params.items()))
 
     # --- rates ------------------------------------------------------------------------------------------------
     @property
@@ -186,10 +224,11 @@ def _group(row: dict) -> tuple:
 
 
 def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL,
-         model: str | None = None, simulated: bool | None = None) -> Summary | None:
+         model: str | None = None, simulated: bool | None = None,
+         truncation: tuple[int, float] = NO_TRUNCATION) -> Summary | None:
     """The summary matching a configuration (see Summary.matches) on `model` (default: any), executed runs before
     simulated ones (`simulated`: only those of that kind)."""
-    found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature)
+    found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature, truncation)
              and model in (None, s.model) and simulated in (None, s.simulated)]
     return min(found, key=lambda s: s.simulated) if found else None
 
@@ -202,8 +241,9 @@ def summarize(rows: list[dict]) -> list[Summary]:
             key = (*_group(row), dataset)
             if key not in table:
                 table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset,
-                                     row["config_key"], simulated=bool(row.get("simulated")))
+                                     row["config_key"], row.get("top_k", 0), row.get("top_p", 1.0),
+                                     simulated=bool(row.get("simulated")))
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
     return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.simulated,
-                                                 s.temperature, order.get(s.dataset, s.dataset)))
+                                                 s.temperature, s.truncation, order.get(s.dataset, s.dataset)))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from harness.metrics import NO_TRUNCATION
+
 MEAN = "mean"
 
 
@@ -26,6 +28,10 @@ class GridPoint:
     @property
     def param_dict(self) -> dict:
         return dict(self.params)
+
+    @property
+    def truncation(self) -> tuple[int, float]:
+        return self.top_k, self.top_p
 
     def label(self) -> str:
         params = " ".join(f"{k}={v}" for k, v in self.params)
@@ -55,6 +61,11 @@ def paper_grid() -> list[GridPoint]:
 # The reference samples at T=1 from the top 50 tokens within top-p 0.95, on target and drafter alike (the verifiers
 # compare the truncated distributions, so decoding stays lossless with respect to the truncated target).
 PAPER_SAMPLING = {"top_k": 50, "top_p": 0.95}
+
+
+def paper_truncation(temperature: float) -> tuple[int, float]:
+    """The (top-k, top-p) of the paper's runs at a temperature."""
+    return (PAPER_SAMPLING["top_k"], PAPER_SAMPLING["top_p"]) if temperature > 0 else NO_TRUNCATION
 
 
 @dataclass(frozen=True)

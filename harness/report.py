@@ -19,8 +19,8 @@ import pandas as pd
 
 from harness.claims import verdicts
 from harness.data import DATASETS
-from harness.metrics import OVERALL, Summary, find
-from harness.paper import MEAN, REFERENCES, GridPoint, Reference, paper_grid
+from harness.metrics import OVERALL, Block, Summary, find, sampling_label
+from harness.paper import MEAN, REFERENCES, GridPoint, Reference, paper_grid, paper_truncation
 
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
@@ -77,22 +77,27 @@ def _mean_triple(cells: list[Summary]) -> str:
     return f"{_num(mean('tokens_per_step'))} · {_num(mean('l_acc'))} · {_num(mean('theoretical_speedup'))}x"
 
 
-def _blocks(summaries: list[Summary]) -> list[tuple[float, int]]:
-    return sorted({(s.temperature, s.width) for s in summaries if s.method != "autoregressive"})
+def _cell(summaries: list[Summary], block: Block, method: str, **params) -> str:
+    found = find(summaries, method, {**params, "width": block.width}, block.temperature, truncation=block.truncation)
+    return _triple(found)
+
+
+def _blocks(summaries: list[Summary]) -> list[Block]:
+    return sorted({s.block for s in summaries if s.method != "autoregressive"})
 
 
 # --- tables ------------------------------------------------------------------------------------------------------
 def main_tables(summaries: list[Summary]) -> list[Table]:
     """One block per (T, width): configurations x datasets and their mean."""
     tables = []
-    for temperature, width in _blocks(summaries):
+    for block in _blocks(summaries):
         by_config: dict[str, dict[str, Summary]] = {}
         for s in summaries:
-            if (s.temperature, s.width) == (temperature, width) and s.method != "autoregressive":
+            if s.block == block and s.method != "autoregressive":
                 by_config.setdefault(_config(s), {})[s.dataset] = s
         rows = [[config] + [_triple(cells.get(d)) for d in DATASETS]
                 + [_mean_triple([cells[d] for d in DATASETS if d in cells])] for config, cells in by_config.items()]
-        tables.append(Table(f"T={temperature:g}, width {width}", ["config", *DATASETS, MEAN], rows,
+        tables.append(Table(block.title, ["config", *DATASETS, MEAN], rows,
                             "cells: tokens/step (alpha or tau) · L'acc · theoretical speedup"))
     return tables
 
@@ -100,16 +105,16 @@ def main_tables(summaries: list[Summary]) -> list[Table]:
 def scaling_tables(summaries: list[Summary]) -> list[Table]:
     """SPD over n x Ls, EAGLE-3 over m, PPSD over n, per (T, width), on the paper's axes ("—": not run)."""
     tables = []
-    for t, w in _blocks(summaries):
-        spd = [[f"n={n}"] + [_triple(find(summaries, "spd", {"n": n, "ls": ls, "schedule": "input", "width": w}, t))
-                             for ls in (1, 2, 3, 4)] for n in (4, 8, 16)]
-        eagle = [[f"m={m}", _triple(find(summaries, "eagle3", {"m": m, "width": w}, t))] for m in (3, 7, 15)]
-        ppsd = [[f"n={n}", _triple(find(summaries, "ppsd", {"n": n, "width": w}, t))] for n in (4, 8, 16)]
+    for block in _blocks(summaries):
+        spd = [[f"n={n}"] + [_cell(summaries, block, "spd", n=n, ls=ls, schedule="input") for ls in (1, 2, 3, 4)]
+               for n in (4, 8, 16)]
+        eagle = [[f"m={m}", _cell(summaries, block, "eagle3", m=m)] for m in (3, 7, 15)]
+        ppsd = [[f"n={n}", _cell(summaries, block, "ppsd", n=n)] for n in (4, 8, 16)]
         for title, header, rows in (("SPD (input schedule) over n and Ls", ["", "Ls=1", "Ls=2", "Ls=3", "Ls=4"], spd),
                                     ("EAGLE-3 over m", ["", "all datasets"], eagle),
                                     ("PPSD over n", ["", "all datasets"], ppsd)):
             if any(cell != "—" for row in rows for cell in row[1:]):
-                tables.append(Table(f"{title}, T={t:g}, width {w}", header, rows,
+                tables.append(Table(f"{title}, {block.title}", header, rows,
                                     "cells: tokens/step · L'acc · theoretical speedup, pooled over datasets"))
     return tables
 
@@ -119,9 +124,9 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
     pairs: dict[tuple, dict[str, Summary]] = {}
     for s in overall:
         if s.pipeline is not None:
-            key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.temperature, s.simulated)
+            key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.sampling, s.simulated)
             pairs.setdefault(key, {})[s.pipeline["schedule"]] = s
-    rows = [[f"{m} n={n} ls={ls}" + (" (sim)" if sim else ""), str(w), f"{t:g}", _num(p["input"].tokens_per_step),
+    rows = [[f"{m} n={n} ls={ls}" + (" (sim)" if sim else ""), str(w), t, _num(p["input"].tokens_per_step),
              _num(p["output"].tokens_per_step), _num(p["input"].theoretical_speedup),
              _num(p["output"].theoretical_speedup)]
             for (m, n, ls, w, t, sim), p in sorted(pairs.items(), key=str) if len(p) == 2]
@@ -133,7 +138,7 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
 
 
 def speedup_table(overall: list[Summary]) -> list[Table]:
-    rows = [[_config(s), str(s.width), f"{s.temperature:g}", _num(s.theoretical_speedup),
+    rows = [[_config(s), str(s.width), s.sampling, _num(s.theoretical_speedup),
              _num(s.reference_theoretical), _num(s.modeled_speedup), _num(s.wall_clock_speedup),
              _num(s.tokens_per_second, 1)]
             for s in overall if s.method != "autoregressive" and not s.simulated]
@@ -154,18 +159,20 @@ def acceptance_tables(overall: list[Summary]) -> list[Table]:
         shown = [s for s in overall if getattr(s, kind) and s.fill_drafts]
         if shown:
             size = max(len(s.fill_drafts) for s in shown)
-            rows = [[_config(s), str(s.width), f"{s.temperature:g}"] + [_num(a) for a in s.fill_acceptance]
+            rows = [[_config(s), str(s.width), s.sampling] + [_num(a) for a in s.fill_acceptance]
                     + ["—"] * (size - len(s.fill_drafts)) for s in shown]
             tables.append(Table(title, ["config", "width", "T"] + [f"{label} {k}" for k in range(size)], rows))
     return tables
 
 
 def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> float | None:
+    truncation = paper_truncation(ref.temperature)  # ours compare with the paper's only at its sampling
     if ref.dataset == MEAN:
-        cells = [find(summaries, ref.method, ref.params, ref.temperature, d, model) for d in DATASETS]
+        cells = [find(summaries, ref.method, ref.params, ref.temperature, d, model, truncation=truncation)
+                 for d in DATASETS]
         values = [getattr(c, ref.metric) for c in cells if c is not None]
         return sum(values) / len(values) if len(values) == len(DATASETS) and None not in values else None
-    found = find(summaries, ref.method, ref.params, ref.temperature, ref.dataset, model)
+    found = find(summaries, ref.method, ref.params, ref.temperature, ref.dataset, model, truncation=truncation)
     return None if found is None else getattr(found, ref.metric)
 
 
@@ -177,7 +184,8 @@ def reference_table(summaries: list[Summary]) -> list[Table]:
         matching = [m for m in models if ref.matches_model(m)]
         ours = [(m, _reference_value(summaries, m, ref)) for m in matching] or [("—", None)]
         for model, value in ours:
-            rows.append([ref.model, f"{ref.method} {_params(ref.params)}", f"{ref.temperature:g}", ref.dataset,
+            sampling = sampling_label(ref.temperature, paper_truncation(ref.temperature))
+            rows.append([ref.model, f"{ref.method} {_params(ref.params)}", sampling, ref.dataset,
                          ref.metric.replace("_", " "), f"{ref.value:.2f}", model, _num(value), ref.source])
     return [Table("The paper's reference values beside ours",
                   ["paper model", "config", "T", "dataset", "metric", "paper", "our model", "ours", "source"], rows,
@@ -188,9 +196,9 @@ def reference_table(summaries: list[Summary]) -> list[Table]:
 def simulation_table(overall: list[Summary]) -> list[Table]:
     """Configurations run both ways: how close the replay's acceptance is to executed decoding."""
     def key(s):
-        return (s.model, s.method, _params(s.params), s.temperature)
+        return (s.model, s.method, _params(s.params), s.temperature, s.truncation)
     executed = {key(s): s for s in overall if not s.simulated}
-    rows = [[_config(e), str(e.width), f"{e.temperature:g}", f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
+    rows = [[_config(e), str(e.width), e.sampling, f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
              _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3), _num(s.expected_acceptance, 3)]
             for s in overall if s.simulated and (e := executed.get(key(s))) is not None]
     if not rows:
@@ -206,7 +214,7 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
 
 def summary_table(overall: list[Summary]) -> Table:
     """One line per configuration, pooled over datasets: what `make bench` ends with."""
-    rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.samples), _num(s.acceptance),
+    rows = [[_config(s), str(s.width), s.sampling, str(s.samples), _num(s.acceptance),
              _num(s.tokens_per_step), _num(s.l_acc), _num(s.theoretical_speedup), _num(s.wall_clock_speedup),
              "—" if s.lossless_pct is None else f"{s.identical}/{s.checked}"] for s in overall]
     return Table("Measured acceptance and speedups (pooled over datasets)",
@@ -232,7 +240,7 @@ def breakdown_table(overall: list[Summary]) -> list[Table]:
         ms = s.cycle_breakdown
         if ms is None:
             continue
-        rows.append([_config(s), f"{s.temperature:g}", str(s.width), str(s.steps)]
+        rows.append([_config(s), s.sampling, str(s.width), str(s.steps)]
                     + [_num(ms[phase], 1) for phase in BREAKDOWN] + [_num(ms.get("slowest stage"), 1)]
                     + [f"{_num(v)}x" for v in (s.theoretical_speedup, s.modeled_speedup, s.wall_clock_speedup)])
     if not rows:
@@ -254,7 +262,7 @@ def family_tables(overall: list[Summary]) -> list[Table]:
     tables = []
     for method, entries in found.items():
         names = list(entries[0][1])
-        rows = [[_config(s), f"{s.temperature:g}", str(s.samples)] + [_num(figures.get(n)) for n in names]
+        rows = [[_config(s), s.sampling, str(s.samples)] + [_num(figures.get(n)) for n in names]
                 for s, figures in entries]
         tables.append(Table(f"{method} figures", ["config", "T", "samples", *names], rows,
                             entries[0][0].family.figures_note))
@@ -262,7 +270,7 @@ def family_tables(overall: list[Summary]) -> list[Table]:
 
 
 def lossless_table(overall: list[Summary]) -> list[Table]:
-    rows = [[_config(s), str(s.width), f"{s.temperature:g}", str(s.checked), str(s.identical),
+    rows = [[_config(s), str(s.width), s.sampling, str(s.checked), str(s.identical),
              ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
     return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences"], rows)]
 
@@ -273,7 +281,7 @@ def detail_table(summaries: list[Summary]) -> Table:
 
 def _cells(s: Summary) -> list[str]:
     lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
-    return [s.method, _params(s.params), s.model, f"{s.temperature:g}", s.dataset, "yes" if s.simulated else "no",
+    return [s.method, _params(s.params), s.model, s.sampling, s.dataset, "yes" if s.simulated else "no",
             str(s.samples), str(s.new_tokens), str(s.steps), _num(s.tokens_per_step), _num(s.l_acc),
             _num(s.theoretical_speedup), _num(s.modeled_speedup), _num(s.wall_clock_speedup),
             _num(s.tokens_per_second, 1), lossless]
@@ -281,7 +289,8 @@ def _cells(s: Summary) -> list[str]:
 
 def missing_points(summaries: list[Summary]) -> list[GridPoint]:
     """Points of the paper grid with no record for any model in these results."""
-    return [p for p in paper_grid() if find(summaries, p.method, p.param_dict, p.temperature) is None]
+    return [p for p in paper_grid()
+            if find(summaries, p.method, p.param_dict, p.temperature, truncation=p.truncation) is None]
 
 
 def tables(summaries: list[Summary]) -> list[Table]:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from harness import checkpoints
 from harness.errors import HarnessError
+from harness.metrics import NO_TRUNCATION
 from harness.models import load_model
 from harness.paper import GridPoint
 from harness.results import ResultStore
@@ -32,8 +33,10 @@ class SweepOutcome:
     files: set[Path]
 
 
-def grid(methods: list[str], values: dict[str, list], temperatures: list[float], widths: list[int]) -> list[GridPoint]:
-    """Every combination of the listed values of each method's own parameters (others are ignored)."""
+def grid(methods: list[str], values: dict[str, list], temperatures: list[float], widths: list[int],
+         truncation: tuple[int, float] = NO_TRUNCATION) -> list[GridPoint]:
+    """Every combination of the listed values of each method's own parameters (others are ignored); points at T>0
+    sample with `truncation` (top-k, top-p)."""
     points = []
     for method in methods:
         if method not in REGISTRY:
@@ -44,7 +47,8 @@ def grid(methods: list[str], values: dict[str, list], temperatures: list[float],
         for t, w, combo in product(temperatures, widths if has_width else [None], product(*(values[k] for k in names))):
             params = dict(zip(names, combo)) | ({} if w is None else {"width": w})
             if _valid(method, params):
-                points.append(GridPoint.of(method, t, **params))
+                point = GridPoint.of(method, t, **params)
+                points.append(replace(point, top_k=truncation[0], top_p=truncation[1]) if t > 0 else point)
     return points
 
 

@@ -11,15 +11,17 @@ def _squeezed(text: str) -> str:
     return re.sub(r"(?<=\S) {2,}", " ", text)
 
 
-def _row(method, params, dataset, schedule=None, draft=None, temperature=0.0, model="m", simulated=False):
+def _row(method, params, dataset, schedule=None, draft=None, temperature=0.0, model="m", simulated=False,
+         truncation=(0, 1.0)):
     stats = {"fill_drafts": [4, 4]} if schedule else {}
     if schedule:
         stats["pipeline"] = {"num_layers": 30, "n": params["n"], "largest_stage": 4, "ls": 4, "schedule": schedule}
     if draft:
         stats["draft"] = draft
     return {
-        "config_key": f"{method}{sorted(params.items())}{temperature}{model}{simulated}", "method": method,
-        "params": params, "model": {"name": model}, "simulated": simulated, "temperature": temperature, "dataset": dataset, "question_id": 0, "new_tokens": 11,
+        "config_key": f"{method}{sorted(params.items())}{temperature}{truncation}{model}{simulated}", "method": method,
+        "params": params, "model": {"name": model}, "simulated": simulated, "temperature": temperature,
+        "top_k": truncation[0], "top_p": truncation[1], "dataset": dataset, "question_id": 0, "new_tokens": 11,
         "steps": 8, "accepted": [0, 1, 2, 1, 0, 3, 2, 1], "position_accepts": [2, 1],
         "timing": {"decode": 1.0, "stages": 0.5, "drafter": 0.2, "verify_head": 0.1},
         "lossless": {"checked": True, "identical": True}, "baseline": {"new_tokens": 11, "timing": {"decode": 2.0}},
@@ -75,21 +77,30 @@ def test_cycle_wall_breakdown_separates_distributed_runs_and_models_them_from_th
 
 def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells():
     rows = [_row("spd", {"n": n, "ls": ls, "schedule": "input", "width": 4}, d, "input", temperature=1.0,
-                 model="Qwen3.5-4B") for n, ls in ((8, 4), (4, 4), (8, 2)) for d in ("mt_bench", "gsm8k", "humaneval")]
+                 model="Qwen3.5-4B", truncation=(50, 0.95))
+            for n, ls in ((8, 4), (4, 4), (8, 2)) for d in ("mt_bench", "gsm8k", "humaneval")]
     rows.append(_row("eagle3", {"m": 15, "width": 1, "ttt": 7}, "gsm8k", draft={"num_layers": 30, "ls": 1, "m": 15,
                                                                                 "width": 1}, simulated=True))
     summaries = summarize(rows)
     text = _squeezed(markdown(summaries))
-    assert "## SPD (input schedule) over n and Ls, T=1, width 4" in text
+    assert "## SPD (input schedule) over n and Ls, T=1 (top-k 50, top-p 0.95), width 4" in text
     assert "| n=8 | — | 1.25 · 9.38 · 9.38x | — | 1.25 · 9.38 · 9.38x |" in text
     assert "| n=16 | — | — | — | — |" in text
     assert "| m=15 | 1.25 · — · 0.83x |" in text  # tau * 30 / (15 + 30), from the simulated run
     assert "eagle3 m=15 ttt=7 (sim)" in text
     # SPD n=8 Ls=4 W=4 T=1 on a model named like the paper's: L'acc 9.38 (the mean over the three datasets) vs 3.43
-    assert "| Qwen3.5-4B | spd ls=4 n=8 schedule=input width=4 | 1 | mean | l acc | 3.43 | Qwen3.5-4B | 9.38 |" in text
+    assert ("| Qwen3.5-4B | spd ls=4 n=8 schedule=input width=4 | 1 (top-k 50, top-p 0.95) | mean | l acc | 3.43 "
+            "| Qwen3.5-4B | 9.38 |") in text
     assert "spd-bench sweep --preset paper" in text
     assert "    spd-bench run --method spd --ls 1 --n 4 --schedule input --width 1 --temperature 0" in text
     assert "spd-bench run --method spd --ls 4 --n 8 --schedule input --width 4 --temperature 1" not in text
+    # the same configuration sampled without truncation is another run: its own block, not the paper's cell
+    untruncated = [_row("spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, d, "input", temperature=1.0,
+                        model="Qwen3.5-4B") for d in ("mt_bench", "gsm8k", "humaneval")]
+    text = _squeezed(markdown(summarize(untruncated)))
+    assert "## T=1, width 4" in text and "top-k 50" not in text.split("## The paper's claims")[0]
+    assert "| 3.43 | Qwen3.5-4B | — |" in text
+    assert "spd-bench run --method spd --ls 4 --n 8 --schedule input --width 4 --temperature 1 --top-k 50" in text
     tex = latex(summaries)
     assert tex.count(r"\begin{tabular}") == len(tables(summaries))
     assert r"1.25 $\cdot$ 9.38 $\cdot$ 9.38x" in tex and r"mt\_bench" in tex
@@ -119,6 +130,27 @@ def test_claims_are_checked_on_the_records_with_the_figures_compared():
     eagle = found["EAGLE-3 m=7 beats m=15", "m"]
     assert eagle.verdict == "not measured" and "spd-bench sweep --method eagle3 --m 7,15" in eagle.measured
     assert "## The paper's claims, as measured here" in markdown(summarize(rows))
+
+
+def test_the_t1_order_compares_runs_at_the_papers_sampling_measured_the_same_way():
+    from harness.claims import verdicts
+
+    def best(method, params, steps, simulated=False, truncation=(50, 0.95)):
+        draft = None if method != "eagle3" else {"num_layers": 30, "ls": 1, "m": params["m"], "width": 1}
+        schedule = params.get("schedule")
+        return _steps(_row(method, {**params, "width": 1}, "gsm8k", schedule, draft, 1.0, simulated=simulated,
+                           truncation=truncation), steps)
+
+    spd, ppsd = {"n": 8, "ls": 4, "schedule": "input"}, {"n": 8, "ls": 1, "schedule": "output"}
+    # theoretical: spd 5.0 * 30 / 4 = 37.5 > eagle3 2.5 * 30 / 33 = 2.27 > ppsd 0.125 * 30 / (4 + 4) = 0.47 (output schedule)
+    rows = [best("spd", spd, 2), best("eagle3", {"m": 3}, 4), best("ppsd", ppsd, 80),
+            best("ppsd", {**ppsd, "n": 4}, 1, simulated=True),  # simulated: not set against executed runs
+            best("eagle3", {"m": 7}, 1, truncation=(0, 1.0))]  # untruncated sampling: not the paper's T=1
+    (order,) = [v for v in verdicts(summarize(rows)) if v.claim.startswith("At T=1")]
+    assert order.verdict == "agrees"
+    assert order.measured.startswith("best of each: spd ls=4 n=8 schedule=input width=1 ")
+    assert "eagle3 m=3 width=1 2.27x > ppsd ls=1 n=8 schedule=output width=1 0.47x" in order.measured
+    assert "(sim)" not in order.measured and "n=4" not in order.measured
 
 
 def test_the_reference_definition_of_theoretical_speedup_is_the_per_sample_mean_of_n_N_over_S():

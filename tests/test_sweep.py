@@ -15,6 +15,8 @@ def test_grid_expands_each_methods_own_parameters_and_skips_schedules_a_method_l
     assert len([p for p in points if p.method == "ppsd"]) == 2 * 2 * 2  # output schedule only
     assert "eagle3 m=3 width=4 T=1" in labels and not any("eagle3 ls" in label for label in labels)
     assert points[0].run_command().startswith("spd-bench run --method spd --ls 1 --n 4 --schedule input --width 1")
+    truncated = grid(["eagle3"], {"m": [3]}, [0.0, 1.0], [1], truncation=(50, 0.95))
+    assert [(p.temperature, p.top_k, p.top_p) for p in truncated] == [(0.0, 0, 1.0), (1.0, 50, 0.95)]
 
 
 def test_bad_values_are_an_error_not_a_silent_drop():

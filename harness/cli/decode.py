@@ -95,11 +95,15 @@ def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed
 @click.option("--ttt", "ttt_values", default=None, help="EAGLE-3 head(s) by training-time-test depth (default 7).")
 @click.option("--width", "widths", default="1", show_default=True, help="Comma list of draft widths.")
 @click.option("--temperature", "temperatures", default="0", show_default=True, help="Comma list of temperatures.")
+@click.option("--top-k", type=int, default=0, show_default=True,
+              help="Top-k of the T>0 points (0: off; the paper samples with 50).")
+@click.option("--top-p", type=float, default=1.0, show_default=True,
+              help="Top-p of the T>0 points (the paper samples with 0.95).")
 @prompt_options
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results root (default results/): records go to <root>/<model>/<method>.jsonl.")
-def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values, widths, temperatures, model, datasets,
-          max_new_tokens, limit, seed, device, dtype, data_dir, results, simulate):
+def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values, widths, temperatures, top_k, top_p,
+          model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, results, simulate):
     """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
     from harness.paper import paper_grid
     from harness.runner import RunConfig
@@ -113,7 +117,7 @@ def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values,
     else:
         values = {"n": _values(n_values), "ls": _values(ls_values), "schedule": _values(schedules, str),
                   "m": _values(m_values), "ttt": _values(ttt_values)}
-        points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths))
+        points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths), (top_k, top_p))
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)
     outcome = run_sweep(points, base, results)
