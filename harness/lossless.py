@@ -15,7 +15,8 @@ from harness.target import TargetRuntime
 
 
 class ReferenceCache:
-    """Greedy AR outputs keyed by (model weights, dtype, device) file and (prompt ids, max_new_tokens) line."""
+    """AR outputs keyed by (model weights, dtype, device) file and (prompt ids, max_new_tokens, variant) line: the
+    greedy output (no variant) or a sampled one (the variant names the sampling and the seed)."""
 
     def __init__(self, identity: ModelIdentity, dtype: str, device: str, root: Path | None = None):
         root = root or cache_dir() / "references"
@@ -23,8 +24,9 @@ class ReferenceCache:
         self._entries: dict[str, list[int]] | None = None
 
     @staticmethod
-    def key(prompt_ids: list[int], max_new_tokens: int) -> str:
-        return f"{hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:24]}-{max_new_tokens}"
+    def key(prompt_ids: list[int], max_new_tokens: int, variant: str = "") -> str:
+        key = f"{hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:24]}-{max_new_tokens}"
+        return f"{key}-{variant}" if variant else key
 
     def _load(self) -> dict[str, list[int]]:
         if self._entries is None:
@@ -38,11 +40,11 @@ class ReferenceCache:
                         continue  # a torn line from an interrupted write: that entry is recomputed
         return self._entries
 
-    def get(self, prompt_ids: list[int], max_new_tokens: int) -> list[int] | None:
-        return self._load().get(self.key(prompt_ids, max_new_tokens))
+    def get(self, prompt_ids: list[int], max_new_tokens: int, variant: str = "") -> list[int] | None:
+        return self._load().get(self.key(prompt_ids, max_new_tokens, variant))
 
-    def put(self, prompt_ids: list[int], max_new_tokens: int, output_ids: list[int]) -> None:
-        key = self.key(prompt_ids, max_new_tokens)
+    def put(self, prompt_ids: list[int], max_new_tokens: int, output_ids: list[int], variant: str = "") -> None:
+        key = self.key(prompt_ids, max_new_tokens, variant)
         self._load()[key] = output_ids
         append_line(self.path, {"key": key, "output_ids": output_ids})
 

@@ -296,13 +296,24 @@ class Runner:
             bar.close()
 
     def _simulate(self, method, reference, prompt, sample):
-        """The method's acceptance replayed on the AR output for this prompt and seed (greedy: the cached one)."""
+        """The method's acceptance replayed on the AR output for this prompt and seed (both cached, so the
+        configurations of a sweep replay on one trajectory per prompt without decoding it again)."""
         seed = sample_seed(self.config.seed, sample)
         if self.sampling.greedy:
             trajectory = self.greedy_reference(prompt, reference)
         else:
-            trajectory = reference.generate(prompt, self.config.max_new_tokens, self._sampler(seed)).output_ids
+            trajectory = self.sampled_reference(prompt, reference, seed)
         return method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
+
+    def sampled_reference(self, prompt: list[int], reference: Method, seed: int) -> list[int]:
+        """AR output for the prompt sampled with this run's sampling from `seed`: cached, else decoded now."""
+        s = self.sampling
+        variant = f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}-seed{seed}"
+        trajectory = self.references.get(prompt, self.config.max_new_tokens, variant)
+        if trajectory is None:
+            trajectory = reference.generate(prompt, self.config.max_new_tokens, self._sampler(seed)).output_ids
+            self.references.put(prompt, self.config.max_new_tokens, trajectory, variant)
+        return trajectory
 
     def greedy_reference(self, prompt: list[int], reference: Method) -> list[int]:
         """Greedy AR output for the prompt: from the reference cache, else decoded now and cached."""

@@ -132,6 +132,26 @@ def _sweep_simulates_what_ran(tiny_dir, eval_dir, tmp_path):  # noqa: F811
         assert [r["accepted"] for r in replayed] == [r["accepted"] for r in executed]
     again = CliRunner().invoke(main, sweep)
     assert "(0 ran now)" in again.output
+    _sampled_sweep_replays_one_trajectory_per_prompt(sweep, tmp_path)
+
+
+def _sampled_sweep_replays_one_trajectory_per_prompt(sweep: list[str], tmp_path):
+    """At T>0 every configuration of a simulated sweep replays on the same sampled AR output per prompt and seed,
+    decoded once and cached beside the greedy references."""
+    sampled = [*sweep, "--temperature", "1", "--top-k", "50", "--top-p", "0.95"]
+    sampled[sampled.index("--method") + 1], sampled[sampled.index("--width") + 1] = "eagle3", "1"
+    sampled[sampled.index("--m") + 1] = "1,2"
+    result = CliRunner().invoke(main, sampled)
+    assert result.exit_code == 0 and "2 of 2 configurations complete (2 ran now)" in result.output, result.output
+    rows = [json.loads(line) for line in (tmp_path / "sweep").rglob("eagle3.jsonl").__next__().open()]
+    rows = [r for r in rows if r["temperature"] == 1]
+    assert len(rows) == 4 and {(r["top_k"], r["top_p"]) for r in rows} == {(50, 0.95)}
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault(r["question_id"], []).append(r["output_ids"])
+    assert all(a == b for a, b in by_prompt.values())
+    lines = [line for f in (tmp_path / "cache" / "references").iterdir() for line in f.read_text().splitlines()]
+    assert sum("-t1-k50-p0.95-seed" in line for line in lines) == 2  # one per prompt, not per configuration
 
 
 @pytest.mark.parametrize("kind", ["spd", "eagle3"])
