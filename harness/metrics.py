@@ -51,6 +51,7 @@ class Summary:
     config_key: str = ""
     top_k: int = 0  # sampling truncation (0 / 1.0: off); runs that differ only here are different configurations
     top_p: float = 1.0
+    max_new_tokens: int = 0  # the run's length limit (0: not recorded)
     samples: int = 0
     new_tokens: int = 0
     steps: int = 0
@@ -242,7 +243,7 @@ def summarize(rows: list[dict]) -> list[Summary]:
             if key not in table:
                 table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset,
                                      row["config_key"], row.get("top_k", 0), row.get("top_p", 1.0),
-                                     simulated=bool(row.get("simulated")))
+                                     row.get("max_new_tokens", 0), simulated=bool(row.get("simulated")))
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
     return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.simulated,

@@ -21,6 +21,7 @@ from harness.claims import verdicts
 from harness.data import DATASETS
 from harness.metrics import OVERALL, Block, Summary, find, sampling_label
 from harness.paper import MEAN, REFERENCES, GridPoint, Reference, paper_grid, paper_truncation
+from harness.runner import RunConfig
 
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
@@ -58,6 +59,8 @@ def _num(value: float | None, digits: int = 2) -> str:
 def _config(s: Summary) -> str:
     params = {k: v for k, v in s.params.items() if k != "width"}
     name = f"{s.method} {_params(params)}" if params else s.method
+    if s.max_new_tokens not in (0, RunConfig.max_new_tokens):  # runs of another length are other configurations
+        name += f" ({s.max_new_tokens} tokens)"
     return name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.executor == "distributed" else "")
 
 

@@ -25,7 +25,7 @@ def _row(method, params, dataset, schedule=None, draft=None, temperature=0.0, mo
         "steps": 8, "accepted": [0, 1, 2, 1, 0, 3, 2, 1], "position_accepts": [2, 1],
         "timing": {"decode": 1.0, "stages": 0.5, "drafter": 0.2, "verify_head": 0.1},
         "lossless": {"checked": True, "identical": True}, "baseline": {"new_tokens": 11, "timing": {"decode": 2.0}},
-        "stats": stats, "max_new_tokens": 16, "seed": 0, "dtype": "float32",
+        "stats": stats, "max_new_tokens": 128, "seed": 0, "dtype": "float32",
     }
 
 
@@ -94,6 +94,13 @@ def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells(
     assert "spd-bench sweep --preset paper" in text
     assert "    spd-bench run --method spd --ls 1 --n 4 --schedule input --width 1 --temperature 0" in text
     assert "spd-bench run --method spd --ls 4 --n 8 --schedule input --width 4 --temperature 1" not in text
+    # a run of another length is another configuration, named apart (not merged into the same main-table row)
+    short = _row("spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, "gsm8k", "input", temperature=1.0,
+                 model="Qwen3.5-4B", truncation=(50, 0.95))
+    short["max_new_tokens"], short["config_key"] = 64, "short"
+    text = _squeezed(markdown(summarize([*rows, short])))
+    assert "| spd ls=4 n=8 schedule=input (64 tokens) | — | 1.25 · 9.38 · 9.38x | — | 1.25 · 9.38 · 9.38x |" in text
+    assert "| spd ls=4 n=8 schedule=input | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x | 1.25 · 9.38 · 9.38x |" in text
     # the same configuration sampled without truncation is another run: its own block, not the paper's cell
     untruncated = [_row("spd", {"n": 8, "ls": 4, "schedule": "input", "width": 4}, d, "input", temperature=1.0,
                         model="Qwen3.5-4B") for d in ("mt_bench", "gsm8k", "humaneval")]
