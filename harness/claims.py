@@ -1,8 +1,9 @@
 """The paper's qualitative claims, each checked against the records: what was measured and whether it agrees.
 
 A claim compares configurations pooled over datasets at width 1, per model, at the paper's sampling (T=1: top-k 50,
-top-p 0.95), measured the same way where it can (all executed, else all simulated). Its verdict is "agrees", "disagrees", "mixed" (some comparisons each way) or "not
-measured" with the runs that would measure it; the figures compared are printed beside it either way.
+top-p 0.95), measured the same way where it can (all executed, else all simulated). Its verdict is "agrees",
+"disagrees", "mixed" (some comparisons each way) or "not measured" with the runs that would measure it; the figures
+compared are printed beside it either way.
 """
 
 from __future__ import annotations
