@@ -127,12 +127,13 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
     pairs: dict[tuple, dict[str, Summary]] = {}
     for s in overall:
         if s.pipeline is not None:
-            key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.sampling, s.simulated)
+            key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.sampling, s.simulated,
+                   s.max_new_tokens)
             pairs.setdefault(key, {})[s.pipeline["schedule"]] = s
     rows = [[f"{m} n={n} ls={ls}" + (" (sim)" if sim else ""), str(w), t, _num(p["input"].tokens_per_step),
              _num(p["output"].tokens_per_step), _num(p["input"].theoretical_speedup),
              _num(p["output"].theoretical_speedup)]
-            for (m, n, ls, w, t, sim), p in sorted(pairs.items(), key=str) if len(p) == 2]
+            for (m, n, ls, w, t, sim, _), p in sorted(pairs.items(), key=str) if len(p) == 2]
     if not rows:
         return []
     return [Table("Schedule ablation: input vs output state",
@@ -199,7 +200,7 @@ def reference_table(summaries: list[Summary]) -> list[Table]:
 def simulation_table(overall: list[Summary]) -> list[Table]:
     """Configurations run both ways: how close the replay's acceptance is to executed decoding."""
     def key(s):
-        return (s.model, s.method, _params(s.params), s.temperature, s.truncation)
+        return (s.model, s.method, _params(s.params), s.temperature, s.truncation, s.max_new_tokens)
     executed = {key(s): s for s in overall if not s.simulated}
     rows = [[_config(e), str(e.width), e.sampling, f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
              _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3), _num(s.expected_acceptance, 3)]
