@@ -81,10 +81,16 @@ class DraftModule(nn.Module):
                 mine.load_state_dict(theirs.state_dict())
         return self
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
-        """The decoder layers over rows x [B, R, D] at `positions` [R]; `mask` [B, 1, R, K] bool (None: one row)."""
-        rope = self._frozen[1](x, positions[None])
-        for layer in self.layers:
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's rotary (cos, sin) [1, R, head_dim] for rows at `positions` [R]."""
+        return self._frozen[1](x, positions[None])
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
+               layers: int | None = None) -> torch.Tensor:
+        """The decoder layers (the first `layers` of them, None: all) over rows x [B, R, D] at `positions` [R];
+        `mask` [B, 1, R, K] bool (None: one row)."""
+        rope = self.rope(x, positions)
+        for layer in self.layers[:layers]:
             x = layer(x, attention_mask=mask, position_ids=positions[None], position_embeddings=rope, cache=cache)
         return x
 

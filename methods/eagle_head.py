@@ -90,7 +90,7 @@ class EagleHead(DraftModule):
         """Head rows [B, R, D] (embedding, feature) at `positions`; returns their output states (pre-norm)."""
         embeddings = token_embeddings.to(feature.dtype)  # the embedding table is the target's
         if self.config.layout == "eagle3":
-            return self.midlayer(embeddings, feature, self._frozen[1](feature, positions[None]), mask, cache)
+            return self.midlayer(embeddings, feature, self.rope(feature, positions), mask, cache)
         return self.decode(self.combine(torch.cat([embeddings, feature], dim=-1)), positions, mask, cache)
 
 
