@@ -97,9 +97,9 @@ def grouped_attention(module, query, key, value, attention_mask, dropout: float 
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kf, vf, kg, vg = layout.finished(key), layout.finished(value), layout.groups(key), layout.groups(value)
-    if layout.queries_only:
-        qg, within = query[0].unflatten(1, (layout.batch, layout.size)).transpose(0, 1)[:, :, :, None], \
-            layout.within[:, :, :1]
+    if layout.queries_only:  # query rows [1, H, B*S, d] are slot 0 of their groups
+        qg = query[0].unflatten(1, (layout.batch, layout.size)).transpose(0, 1)[:, :, :, None]
+        within = layout.within[:, :, :1]
     else:
         qg, within = layout.groups(query), layout.within
     to_finished = torch.einsum("bhtkd,bhsd->bhtks", qg, kf) * scale
