@@ -11,8 +11,8 @@ BENCH_ARGS ?= --limit 3 --max-new-tokens 64
 # flagship's 8 stages and its drafter one after another: the slowest of the three, about 5 of the 8 minutes here).
 BENCH_OUT  ?= $(or $(TMPDIR),/tmp)/spd-bench-main
 BENCH_SPD  := --method spd --n 8 --ls 4
-# The regression gate decodes with the shipped SPD n=8 Ls=1 (fast enough for `make test`) and EAGLE-3.
-GATE_SPD   := --method spd --n 8 --ls 1
+# The regression gate decodes with the shipped flagship and EAGLE-3.
+GATE_SPD   := $(BENCH_SPD)
 BENCH_EAGLE := --method eagle3 --m 7
 
 # Regression gate: the shipped drafters decode fixed prompts (T=0) in a fresh cache, checked against the committed

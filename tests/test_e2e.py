@@ -66,19 +66,20 @@ def test_parity_command_finds_the_engines_drafter_states_equal_the_training_layo
 
 
 def test_the_gate_fails_when_the_drafter_reads_a_feature_from_the_wrong_depth(tmp_path, monkeypatch):
-    """The committed gate's SPD configuration rerun with the shipped drafter fed its deepest feature one layer too
-    shallow (an off-by-one in capture): acceptance drops beyond the tolerance and `check` exits 1."""
+    """The committed gate's SPD configuration (the shipped flagship) rerun with every row past the embedding fed its
+    deepest feature one layer too shallow (an off-by-one in capture): acceptance drops beyond the tolerance and
+    `check` exits 1."""
     from pathlib import Path
 
-    from methods import speculator
+    from methods.speculator import SpeculatorConfig
 
-    original = speculator.feature_layers
+    original = SpeculatorConfig.layers_for
 
-    def one_too_shallow(policy, bounds, depth):
-        layers = original(policy, bounds, depth)
-        return (*layers[:-1], layers[-1] - 1) if depth else layers
+    def one_too_shallow(self, depth):
+        layers = original(self, depth)
+        return (*layers[:-1], layers[-1] - 1) if layers[-1] else layers
 
-    monkeypatch.setattr(speculator, "feature_layers", one_too_shallow)
+    monkeypatch.setattr(SpeculatorConfig, "layers_for", one_too_shallow)
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))  # the shipped drafter, not one trained here
     gate = Path(__file__).parent / "baselines" / "regression.json"
     baseline = tmp_path / "spd.json"
