@@ -107,10 +107,10 @@ def grouped_attention(module, query, key, value, attention_mask, dropout: float 
     blocked = torch.finfo(to_finished.dtype).min
     scores = torch.cat([to_finished.masked_fill(~layout.before[:, None, :, None, :], blocked),
                         to_group.masked_fill(~within[:, None], blocked)], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    size = layout.size
-    grouped = (torch.einsum("bhtks,bhsd->bhtkd", probs[..., :size], vf)
-               + torch.einsum("bhtkj,bhtjd->bhtkd", probs[..., size:], vg))
+    # split, not sliced: a slice's backward fills a zero tensor of the whole score shape per slice
+    to_finished, to_group = torch.softmax(scores, dim=-1).split([layout.size, layout.slots], dim=-1)
+    grouped = (torch.einsum("bhtks,bhsd->bhtkd", to_finished, vf)
+               + torch.einsum("bhtkj,bhtjd->bhtkd", to_group, vg))
     if layout.queries_only:
         return grouped[:, :, :, 0].transpose(1, 2).flatten(0, 1)[None].contiguous(), None
     finished = torch.nn.functional.scaled_dot_product_attention(layout.finished(query), kf, vf, is_causal=True,
@@ -168,16 +168,26 @@ def grouped_logits(speculator, features: dict[int, torch.Tensor], segment_start:
                                                         cache=None))
     layout = GroupLayout.build(segment_start, slots)
     t = torch.arange(size, device=segment_start.device)
-    # slot k of T = position T - k, at depth query + k
-    shifted = torch.stack([_shift(speculator.project(query + k, features), k) for k in range(slots)], dim=2)
-    slot_positions = (t[:, None] - torch.arange(slots, device=t.device)).expand(batch, size, slots)
-    x = torch.cat([finished.flatten(0, 1), shifted[layout.live]])[None]
-    positions = torch.cat([t.repeat(batch), slot_positions[layout.live]])
+    seq, at, slot = layout.live.nonzero(as_tuple=True)  # the group rows in packed order: slot k of T is T - k
+    x = torch.cat([finished.flatten(0, 1), _slot_rows(speculator, features, seq, at - slot, query + slot)])[None]
+    positions = torch.cat([t.repeat(batch), at - slot])
     x = speculator.decode(x, positions, layout, cache=None, layers=config.ls - 1)
     out = _last_layer_at_queries(speculator.layers[-1], x, speculator.rope(x, positions), positions, layout)
     return speculator.head_logits(out.unflatten(0, (batch, size)))
 
 
-def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [B, S, D] moved k positions later (row T holds x[T - k]; the first k rows are zeros)."""
-    return torch.cat([x.new_zeros(x.shape[0], k, x.shape[2]), x[:, : x.shape[1] - k]], dim=1) if k else x
+def _slot_rows(speculator, features: dict[int, torch.Tensor], seq: torch.Tensor, position: torch.Tensor,
+               depth: torch.Tensor) -> torch.Tensor:
+    """Projected inputs [R, D] of the group rows (sequence, position, depth), one projection call per projection
+    the depths use (depths that share one, as under aggregation bounds, share the call)."""
+    config = speculator.config
+    projection = torch.tensor([config.projection_of(d) for d in range(config.n + 1)], device=depth.device)[depth]
+    rows = None
+    for index in projection.unique().tolist():
+        picked = (projection == index).nonzero().squeeze(1)
+        first = int(depth[picked[0]])
+        inputs = {layer: features[layer][seq[picked], position[picked]] for layer in config.layers_for(first)}
+        projected = speculator.project(first, inputs)
+        rows = projected.new_zeros(len(depth), projected.shape[-1]) if rows is None else rows
+        rows = rows.index_copy(0, picked, projected)
+    return rows

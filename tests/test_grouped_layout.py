@@ -16,11 +16,12 @@ from methods.objectives import segment_starts
 from methods.speculator import Speculator, SpeculatorConfig
 
 
-def _speculator(arch: str, n: int, ls: int, schedule: str) -> tuple[Speculator, dict, torch.Tensor]:
+def _speculator(arch: str, n: int, ls: int, schedule: str, aggr_bounds=()) -> tuple[Speculator, dict, torch.Tensor]:
     model = tiny_model(arch)
     target = TargetRuntime(model, max_len=64)
     torch.manual_seed(n)
-    speculator = Speculator(SpeculatorConfig(n=n, ls=ls, schedule=schedule, num_layers=6), target)
+    speculator = Speculator(SpeculatorConfig(n=n, ls=ls, schedule=schedule, num_layers=6, aggr_bounds=aggr_bounds),
+                            target)
     with torch.no_grad():
         for projection in speculator.projections:
             projection.weight.normal_(0, 0.05)
@@ -36,6 +37,14 @@ def _speculator(arch: str, n: int, ls: int, schedule: str) -> tuple[Speculator, 
                                              (4, 1, "input"), (6, 2, "input")])
 def test_grouped_logits_equal_the_unrolled_layouts(arch, n, ls, schedule):
     speculator, features, starts = _speculator(arch, n, ls, schedule)
+    assert torch.allclose(grouped_logits(speculator, features, starts), unrolled_logits(speculator, features, starts),
+                          atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["input", "output"])
+def test_shared_projections_give_the_unrolled_logits(schedule):
+    """Depths that share a projection (aggregation bounds) share one projection call in the grouped layout."""
+    speculator, features, starts = _speculator("llama", 6, 2, schedule, aggr_bounds=(0, 2, 5))
     assert torch.allclose(grouped_logits(speculator, features, starts), unrolled_logits(speculator, features, starts),
                           atol=1e-4)
 
