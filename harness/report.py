@@ -56,11 +56,14 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _length(max_new_tokens: int) -> str:
+    """A label's length suffix: runs of another length than `run`'s default are other configurations."""
+    return "" if max_new_tokens in (0, RunConfig.max_new_tokens) else f" ({max_new_tokens} tokens)"
+
+
 def _config(s: Summary) -> str:
     params = {k: v for k, v in s.params.items() if k != "width"}
-    name = f"{s.method} {_params(params)}" if params else s.method
-    if s.max_new_tokens not in (0, RunConfig.max_new_tokens):  # runs of another length are other configurations
-        name += f" ({s.max_new_tokens} tokens)"
+    name = (f"{s.method} {_params(params)}" if params else s.method) + _length(s.max_new_tokens)
     return name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.executor == "distributed" else "")
 
 
@@ -130,10 +133,10 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
             key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.sampling, s.simulated,
                    s.max_new_tokens)
             pairs.setdefault(key, {})[s.pipeline["schedule"]] = s
-    rows = [[f"{m} n={n} ls={ls}" + (" (sim)" if sim else ""), str(w), t, _num(p["input"].tokens_per_step),
-             _num(p["output"].tokens_per_step), _num(p["input"].theoretical_speedup),
-             _num(p["output"].theoretical_speedup)]
-            for (m, n, ls, w, t, sim, _), p in sorted(pairs.items(), key=str) if len(p) == 2]
+    rows = [[f"{m} n={n} ls={ls}" + _length(tokens) + (" (sim)" if sim else ""), str(w), t,
+             _num(p["input"].tokens_per_step), _num(p["output"].tokens_per_step),
+             _num(p["input"].theoretical_speedup), _num(p["output"].theoretical_speedup)]
+            for (m, n, ls, w, t, sim, tokens), p in sorted(pairs.items(), key=str) if len(p) == 2]
     if not rows:
         return []
     return [Table("Schedule ablation: input vs output state",
