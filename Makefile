@@ -45,12 +45,13 @@ bench: install
 report: install
 	$(BIN)/spd-bench report --out reports/results.md
 
+# One pytest-xdist worker per core (tests/conftest.py gives each its share of the threads).
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto
 	$(MAKE) regression
 
 test-fast: install
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not e2e"
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto -m "not e2e"
 
 gate-dir: install
 	rm -rf $(GATE_DIR) && mkdir -p $(GATE_DIR)

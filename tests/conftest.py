@@ -8,6 +8,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# `make test` runs one pytest-xdist worker per core: each worker (and any process it starts) keeps to its share of
+# the cores, as two workers at two threads each would fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 from harness.data import SHIPPED
 
 
