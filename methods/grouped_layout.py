@@ -85,6 +85,9 @@ class _KeysOnly:
     """Attention mask that asks the kernel for nothing: the call runs for the keys and values it hands the cache."""
 
 
+POSITION_BLOCK = 64  # group queries attend in blocks of positions: a block reads the finished rows before its end
+
+
 def grouped_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention over packed grouped rows when handed a GroupLayout; anything else is plain sdpa."""
     if isinstance(attention_mask, _KeysOnly):
@@ -102,20 +105,36 @@ def grouped_attention(module, query, key, value, attention_mask, dropout: float 
         within = layout.within[:, :, :1]
     else:
         qg, within = layout.groups(query), layout.within
-    to_finished = torch.einsum("bhtkd,bhsd->bhtks", qg, kf) * scale
-    to_group = torch.einsum("bhtkd,bhtjd->bhtkj", qg, kg) * scale
-    blocked = torch.finfo(to_finished.dtype).min
-    scores = torch.cat([to_finished.masked_fill(~layout.before[:, None, :, None, :], blocked),
-                        to_group.masked_fill(~within[:, None], blocked)], dim=-1)
-    # split, not sliced: a slice's backward fills a zero tensor of the whole score shape per slice
-    to_finished, to_group = torch.softmax(scores, dim=-1).split([layout.size, layout.slots], dim=-1)
-    grouped = (torch.einsum("bhtks,bhsd->bhtkd", to_finished, vf)
-               + torch.einsum("bhtkj,bhtjd->bhtkd", to_group, vg))
+    qg = qg * scale  # on the queries, not on the 8x larger scores
+    blocks = []
+    # split, not sliced (as for the scores below); the group of position T sees finished rows before T only (before
+    # its oldest position, the segment start or T - K + 1), so a block reads the finished rows before its last
+    # position: the scores above that diagonal (about half of them) are never computed
+    parts = (part.split(POSITION_BLOCK, dim=2) for part in (qg, kg, vg))
+    masks = (mask.split(POSITION_BLOCK, dim=1) for mask in (layout.before, within))
+    seen = -1  # finished rows before the block's last position
+    for q, k, v, before, visible in zip(*parts, *masks):
+        seen += q.shape[2]
+        blocks.append(_attend_groups(q, kf[:, :, :seen], vf[:, :, :seen], k, v, before[..., :seen], visible))
+    grouped = torch.cat(blocks, dim=2)
     if layout.queries_only:
         return grouped[:, :, :, 0].transpose(1, 2).flatten(0, 1)[None].contiguous(), None
     finished = torch.nn.functional.scaled_dot_product_attention(layout.finished(query), kf, vf, is_causal=True,
                                                                 scale=scale)
     return layout.pack(finished, grouped), None
+
+
+def _attend_groups(q, kf, vf, kg, vg, before, within) -> torch.Tensor:
+    """Scaled group queries q [B, H, P, Q, d] of P positions over the finished rows kf, vf [B, H, F, d] (visible
+    where before [B, P, F]) and their own group's rows kg, vg [B, H, P, K, d] (within [B, P, Q, K])."""
+    to_finished = torch.einsum("bhtkd,bhsd->bhtks", q, kf)
+    to_group = torch.einsum("bhtkd,bhtjd->bhtkj", q, kg)
+    blocked = torch.finfo(to_finished.dtype).min
+    scores = torch.cat([to_finished.masked_fill(~before[:, None, :, None, :], blocked),
+                        to_group.masked_fill(~within[:, None], blocked)], dim=-1)
+    # split, not sliced: a slice's backward fills a zero tensor of the whole score shape per slice
+    to_finished, to_group = torch.softmax(scores, dim=-1).split([kf.shape[2], kg.shape[3]], dim=-1)
+    return torch.einsum("bhtks,bhsd->bhtkd", to_finished, vf) + torch.einsum("bhtkj,bhtjd->bhtkd", to_group, vg)
 
 
 AttentionInterface.register(GROUPED, grouped_attention)

@@ -11,9 +11,17 @@ from tiny_models import tiny_model
 from unrolled_reference import unrolled_logits
 
 from harness.target import TargetRuntime
+from methods import grouped_layout
 from methods.grouped_layout import grouped_logits
 from methods.objectives import segment_starts
 from methods.speculator import Speculator, SpeculatorConfig
+
+
+@pytest.fixture(autouse=True, params=[grouped_layout.POSITION_BLOCK, 7], ids=["one-block", "blocks-of-7"])
+def _position_block(request, monkeypatch):
+    """Every comparison runs with the training block size (one block at these lengths) and with uneven blocks of 7
+    positions, the first of which sees no finished row at n >= 7."""
+    monkeypatch.setattr(grouped_layout, "POSITION_BLOCK", request.param)
 
 
 def _speculator(arch: str, n: int, ls: int, schedule: str, aggr_bounds=()) -> tuple[Speculator, dict, torch.Tensor]:
