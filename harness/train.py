@@ -51,7 +51,7 @@ class TrainConfig:
     corpus: str = "sharegpt"  # ShareGPT replies as written, or "self": the target's greedy replies (regenerate.py)
     reply_tokens: int = 256  # longest regenerated reply
     init: str = "target"  # pipeline drafter layers start as the target's last layers, or as identity (objectives.py)
-    autocast: bool = True  # drafter forward/backward under bf16 autocast (fp32 master weights); validation in fp32
+    autocast: bool = True  # forward/backward on a bf16 copy under autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
     val_chunks: int = 8
     val_prompts: int = 8  # held-out first turns decoded greedily: validation counted as decoding counts (0: off)
@@ -134,9 +134,20 @@ class DrafterTrainer:
     def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
+        # fp32 master weights: what the optimiser updates, the checkpoint holds and validation runs
         self.module = spec.initialise(spec.build(target, draft_ids), target, config.init).float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        # Under autocast the forward and backward run on a bf16 copy, so activations stay bf16 from layer to layer:
+        # with fp32 weights, autocast casts every linear layer's input again (about a tenth of a step). The
+        # numbers are autocast's either way (bf16 matmuls, norms in fp32, weight gradients from bf16 matmuls).
+        self.work = self.module
+        if config.autocast:
+            self.work = spec.build(target, draft_ids)
+            self.work.load_state_dict(self.module.state_dict())
+            self.work.to(torch.bfloat16).train()
+        self._pairs = [(master, work) for master, work in zip(self.module.parameters(), self.work.parameters())
+                       if master.requires_grad]
         self.step, self.tokens, self.validation = 0, 0, {}
         self.curve: list[dict] = []  # the validation at every checkpoint, with the tokens seen by then
 
@@ -148,19 +159,30 @@ class DrafterTrainer:
     def train_step(self, features: dict, ids: torch.Tensor, p_draft: torch.Tensor, mask: torch.Tensor,
                    rng: random.Random) -> dict:
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
-            predictions = self.spec.predictions(self.module, features, ids, rng, self.config.partial_fill)
+            predictions = self.spec.predictions(self.work, features, ids, rng, self.config.partial_fill)
         loss = sum(pred.weight * _cross_entropy(pred, p_draft, mask) for pred in predictions)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.work is not self.module:
+            for master, work in self._pairs:
+                master.grad, work.grad = (None if work.grad is None else work.grad.float()), None
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
         self.optimizer.step()
+        self._sync()
         self.step += 1
         first = predictions[0]
         target, rows = _aligned(first, p_draft, mask)
         agree = (first.logits.argmax(-1) == target.argmax(-1))[rows].float().sum() / rows.sum().clamp(min=1)
         return {"loss": loss.item(), "top1": agree.item()}
+
+    def _sync(self) -> None:
+        """The bf16 working copy takes the master weights."""
+        if self.work is not self.module:
+            with torch.no_grad():
+                for master, work in self._pairs:
+                    work.copy_(master)
 
     def state(self) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -192,6 +214,7 @@ class DrafterTrainer:
         self.step, self.tokens = saved["train"]["step"], saved["train"]["tokens"]
         self.validation = saved["train"].get("validation", {})
         self.curve = saved["train"].get("curve", [])
+        self._sync()
 
 
 def _aligned(pred, p: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

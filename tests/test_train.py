@@ -181,6 +181,51 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("kind", ["spd", "eagle3"])
+def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
+    """A step runs on a bf16 copy of the drafter (activations stay bf16): its gradient is the one autocast gives on
+    the fp32 master weights, to bf16 precision, and the copy takes the updated master weights."""
+    import copy
+    import random
+
+    import torch
+    from tiny_models import tiny_model
+
+    from harness.features import draft_probabilities, teacher_pass
+    from harness.models import ModelIdentity
+    from harness.target import TargetRuntime
+    from harness.train import DrafterTrainer, TrainConfig, _cross_entropy
+    from methods.objectives import EagleSpec, PipelineSpec
+
+    with torch.inference_mode(False), torch.enable_grad():
+        target = TargetRuntime(tiny_model("llama"), max_len=32, identity=ModelIdentity("tiny", "0" * 64))
+        spec = PipelineSpec("spd", 4, 2, "input", "multi_depth") if kind == "spd" else EagleSpec(3)
+        config = TrainConfig(drafters=[spec], init="identity", lr=1e-3)
+        trainer = DrafterTrainer(spec, config, target, None)
+        for p in trainer.module.parameters():  # away from the identity start, so every layer has a gradient
+            p.data.add_(torch.randn_like(p), alpha=0.02)
+        trainer._sync()
+        reference = copy.deepcopy(trainer.module)
+        ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        with torch.no_grad():
+            features, final, lse = teacher_pass(target, ids, reference.config.all_feature_layers())
+            p_draft = draft_probabilities(target, final, lse, None)
+        trainer.train_step(features, ids, p_draft, mask, random.Random(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            predictions = spec.predictions(reference, features, ids, random.Random(0), config.partial_fill)
+        sum(p.weight * _cross_entropy(p, p_draft, mask) for p in predictions).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip)
+    pairs = [(ours.grad, theirs.grad) for ours, theirs in zip(trainer.module.parameters(), reference.parameters())
+             if theirs.grad is not None]
+    assert len(pairs) == sum(p.requires_grad for p in reference.parameters())
+    for ours, theirs in pairs:
+        assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.99
+        assert (ours.norm() / theirs.norm() - 1).abs() < 0.03
+    assert all(torch.equal(work, master.to(torch.bfloat16)) for master, work in trainer._pairs)
+    assert all(work.dtype == torch.bfloat16 for work in trainer.work.parameters())
+
+
 def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cache):  # noqa: F811
     out = tmp_path / "train.jsonl"
     result = CliRunner().invoke(main, ["bench", "train", "--model", str(tiny_dir), "--method", "spd,eagle3", "--n", "2",
