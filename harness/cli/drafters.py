@@ -68,7 +68,8 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
               help="Pipeline drafter layers start as copies of the target's last layers or as identity (residual "
                    "branches zero).")
 @click.option("--autocast/--no-autocast", default=True, show_default=True,
-              help="Train the drafters under bf16 autocast (fp32 master weights; the teacher stays in its dtype).")
+              help="Train the drafters under bf16 autocast on a bf16 copy of their weights (fp32 master weights; "
+                   "the teacher stays in its dtype).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of each drafter.")
 @model_option
 @device_option
