@@ -220,8 +220,8 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
              if theirs.grad is not None]
     assert len(pairs) == sum(p.requires_grad for p in reference.parameters())
     for ours, theirs in pairs:
-        assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.99
-        assert (ours.norm() / theirs.norm() - 1).abs() < 0.03
+        assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.999
+        assert (ours.norm() / theirs.norm() - 1).abs() < 0.01
     assert all(torch.equal(work, master.to(torch.bfloat16)) for master, work in trainer._pairs)
     assert all(work.dtype == torch.bfloat16 for work in trainer.work.parameters())
 
