@@ -29,7 +29,7 @@ def test_sharegpt_is_decoded_record_by_record_and_masks_assistant_tokens(smollm2
 
 def test_train_then_resume_then_run_the_trained_drafter(tiny_dir, eval_dir, tmp_path, cache):  # noqa: F811
     train = ["train", "--model", str(tiny_dir), "--n", "2", "--ls", "1", "--seq-len", "32", "--batch-size", "2",
-             "--draft-vocab", "512", "--save-every", "2"]
+             "--draft-vocab", "512", "--save-every", "2", "--warmup", "0.5"]
     result = CliRunner().invoke(main, train + ["--tokens", "128"])
     assert result.exit_code == 0, result.output
     folder = tmp_path / "cache" / "drafters"
@@ -49,7 +49,8 @@ def test_train_then_resume_then_run_the_trained_drafter(tiny_dir, eval_dir, tmp_
     assert resumed_train["step"] == 4
     assert [(c["step"], c["tokens"]) for c in resumed_train["curve"]] == [(2, 128), (4, 256)]  # the learning curve
     record = json.loads((tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text().splitlines()[-1])
-    assert record["tokens"] == 256 and "spd-bench train" in record["command"]
+    assert record["tokens"] == 256 and "spd-bench train" in record["command"] and "--warmup 0.5" in record["command"]
+    assert record["config"]["warmup"] == 0.5
 
     out = tmp_path / "spd.jsonl"
     run = CliRunner().invoke(main, ["run", "--method", "spd", "--n", "2", "--ls", "1", "--model", str(tiny_dir),

@@ -56,6 +56,8 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--lr", type=float, default=1e-4, show_default=True)
+@click.option("--warmup", type=click.FloatRange(0, 1), default=0.05, show_default=True,
+              help="Share of the steps over which the learning rate rises linearly (then it decays to zero).")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
               help="Draft vocabulary size by corpus frequency (0: full vocabulary).")
 @click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
@@ -75,7 +77,7 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @device_option
 @dtype_option
 def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, aggr_bounds, tokens, epochs,
-          feature_cache, seq_len, batch_size, lr, draft_vocab, save_every, val_prompts, corpus, init, autocast, resume,
+          feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every, val_prompts, corpus, init, autocast, resume,
           model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
@@ -87,12 +89,12 @@ def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, agg
         ("aggr_bounds", aggr_bounds)) if v is not None)
     shape += "" if eagle_layout == "harness" else f" --eagle-layout {eagle_layout}"
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, epochs=epochs, feature_cache=feature_cache,
-                         seq_len=seq_len, batch_size=batch_size, lr=lr,
+                         seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup,
                          draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, corpus=corpus,
                          init=init, autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --epochs {epochs} --seq-len {seq_len} --batch-size {batch_size} "
-                                  f"--lr {lr} "
+                                  f"--lr {lr} --warmup {warmup} "
                                   f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} "
                                   f"--init {init} "
                                   f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"
