@@ -141,13 +141,13 @@ class DrafterTrainer:
         # Under autocast the forward and backward run on a bf16 copy, so activations stay bf16 from layer to layer:
         # with fp32 weights, autocast casts every linear layer's input again (about a tenth of a step). The
         # numbers are autocast's either way (bf16 matmuls, norms in fp32, weight gradients from bf16 matmuls).
-        self.work = self.module
+        self.work, self._pairs = self.module, []  # without autocast the master itself runs: nothing to copy
         if config.autocast:
             self.work = spec.build(target, draft_ids)
             self.work.load_state_dict(self.module.state_dict())
             self.work.to(torch.bfloat16).train()
-        self._pairs = [(master, work) for master, work in zip(self.module.parameters(), self.work.parameters())
-                       if master.requires_grad]
+            self._pairs = [(master, work) for master, work in zip(self.module.parameters(), self.work.parameters())
+                           if master.requires_grad]
         self.step, self.tokens, self.validation = 0, 0, {}
         self.curve: list[dict] = []  # the validation at every checkpoint, with the tokens seen by then
 
@@ -163,9 +163,8 @@ class DrafterTrainer:
         loss = sum(pred.weight * _cross_entropy(pred, p_draft, mask) for pred in predictions)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.work is not self.module:
-            for master, work in self._pairs:
-                master.grad, work.grad = (None if work.grad is None else work.grad.float()), None
+        for master, work in self._pairs:
+            master.grad, work.grad = (None if work.grad is None else work.grad.float()), None
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
@@ -179,10 +178,9 @@ class DrafterTrainer:
 
     def _sync(self) -> None:
         """The bf16 working copy takes the master weights."""
-        if self.work is not self.module:
-            with torch.no_grad():
-                for master, work in self._pairs:
-                    work.copy_(master)
+        with torch.no_grad():
+            for master, work in self._pairs:
+                work.copy_(master)
 
     def state(self) -> dict[str, torch.Tensor]:
         tensors = {}

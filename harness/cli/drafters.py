@@ -77,8 +77,8 @@ def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules
 @device_option
 @dtype_option
 def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, aggr_bounds, tokens, epochs,
-          feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every, val_prompts, corpus, init, autocast, resume,
-          model, device, dtype):
+          feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every, val_prompts, corpus, init, autocast,
+          resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
     from harness.train import TrainConfig
     from harness.train import train as run_training
