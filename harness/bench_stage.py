@@ -17,7 +17,7 @@ import torch
 from tabulate import tabulate
 
 from harness.results import ResultStore, config_key
-from harness.runner import versions
+from harness.provenance import versions
 from harness.target import TargetRuntime
 from methods.speculator import stage_bounds
 

@@ -22,7 +22,7 @@ from harness.corpus import conversations
 from harness.features import FeatureCache
 from harness.models import load_model
 from harness.results import ResultStore, config_key
-from harness.runner import versions
+from harness.provenance import versions
 from harness.target import TargetRuntime
 from harness.train import DrafterTrainer, TrainConfig, draft_vocabulary, training_chunks
 

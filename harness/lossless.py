@@ -8,19 +8,34 @@ from pathlib import Path
 
 import torch
 
-from harness.models import ModelIdentity
+from harness.models import LoadedModel
 from harness.paths import cache_dir
 from harness.results import append_line
 from harness.target import TargetRuntime
 
 
-class ReferenceCache:
-    """AR outputs keyed by (model weights, dtype, device) file and (prompt ids, max_new_tokens, variant) line: the
-    greedy output (no variant) or a sampled one (the variant names the sampling and the seed)."""
+# Config fields that cannot change a greedy output: where the folder is and which library wrote it (the dtype is
+# keyed on its own).
+_INERT_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 
-    def __init__(self, identity: ModelIdentity, dtype: str, device: str, root: Path | None = None):
+
+def greedy_context(loaded: LoadedModel, stop_ids: set[int]) -> str:
+    """A hash of what besides the weights, dtype and device decides a greedy output: the stop ids (a folder with the
+    same weights and another end-of-turn id stops elsewhere) and the model config (e.g. rope scaling). The prompt's
+    rendering (chat template) and the length are in each line's key: prompt ids and max_new_tokens."""
+    config = {k: v for k, v in loaded.model.config.to_dict().items() if k not in _INERT_CONFIG}
+    text = json.dumps({"stop_ids": sorted(stop_ids), "config": config}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class ReferenceCache:
+    """AR outputs keyed by (model weights, dtype, device, greedy context) file and (prompt ids, max_new_tokens,
+    variant) line: the greedy output (no variant) or a sampled one (the variant names the sampling and the seed)."""
+
+    def __init__(self, loaded: LoadedModel, dtype: str, stop_ids: set[int], root: Path | None = None):
         root = root or cache_dir() / "references"
-        self.path = root / f"{identity.weights_sha256[:16]}-{dtype}-{device.split(':')[0]}.jsonl"
+        weights, device = loaded.identity.weights_sha256[:16], loaded.device.type
+        self.path = root / f"{weights}-{dtype}-{device}-{greedy_context(loaded, stop_ids)}.jsonl"
         self._entries: dict[str, list[int]] | None = None
 
     @staticmethod

@@ -162,15 +162,67 @@ def load_training(results: Path) -> list[dict]:
     return list(latest.values())
 
 
-def load_all(results: Path) -> tuple[list[dict], int]:
-    """Every sample record in a results file or in all *.jsonl files under a folder, one per (config key, dataset,
-    question id) (the first found), and how many duplicates were dropped."""
+def claims_to_be_results(path: Path) -> bool:
+    """A file whose first line is a record of ours (a Spec-Bench or reference export, say, is not): only such a file
+    is refused when a later line is not a record."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline()
+        row = json.loads(first)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(row, dict) and "config_key" in row
+
+
+@dataclass
+class Loaded:
+    """The sample records under a results path, one per (config key, dataset, question id), and what was left out."""
+
+    rows: list[dict]
+    duplicates: int  # records of a sample already found (two runs on one file, say): counted once
+    foreign: list[Path]  # JSONL files that are not results files (exports, other tools' output): skipped
+
+
+def load_all(results: Path) -> Loaded:
+    """Every sample record in a results file or in all *.jsonl files under a folder (the first found of a sample)."""
     results = Path(results)
     if not results.exists():
         raise HarnessError(f"results path {results} does not exist; run `spd-bench run` first or pass --results")
-    files = [results] if results.is_file() else sorted(results.rglob("*.jsonl"))
+    if results.is_file():
+        files, foreign = [results], []
+    else:
+        candidates = sorted(results.rglob("*.jsonl"))
+        foreign = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
+        files = [f for f in candidates if f not in foreign]
     found = [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
     unique = {}
     for row in found:
         unique.setdefault((row["config_key"], row.get("dataset"), str(row.get("question_id"))), row)
-    return list(unique.values()), len(found) - len(unique)
+    return Loaded(list(unique.values()), len(found) - len(unique), foreign)
+
+
+def code_notes(rows: list[dict], current: dict) -> list[str]:
+    """What a reader should know about the code the records come from: several commits, commits other than this
+    checkout's (`current`: code_identity()), modified trees, or records older than the commit field."""
+    commits: dict[str, int] = {}
+    modified = unknown = 0
+    for row in rows:
+        version = row.get("versions") or {}
+        if not version.get("commit"):
+            unknown += 1
+            continue
+        commits[version["commit"]] = commits.get(version["commit"], 0) + 1
+        modified += bool(version.get("modified"))
+    notes = []
+    if len(commits) > 1:
+        listed = ", ".join(f"{c[:10]} ({k})" for c, k in sorted(commits.items(), key=lambda item: -item[1]))
+        notes.append(f"the records come from {len(commits)} commits: {listed}")
+    other = sum(k for c, k in commits.items() if c != current.get("commit"))
+    if other and current.get("commit"):
+        notes.append(f"{other} of {len(rows)} records were made at another commit than this checkout's "
+                     f"({current['commit'][:10]}): rerun them to measure this code")
+    if modified:
+        notes.append(f"{modified} records were made from a modified tree (uncommitted changes)")
+    if unknown:
+        notes.append(f"{unknown} records carry no commit (made before records named their code)")
+    return notes

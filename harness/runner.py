@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from harness.data import Sample, load_samples, render_prompt
 from harness.errors import HarnessError
 from harness.lossless import ReferenceCache, compare, not_checked
 from harness.models import LoadedModel, check_model_spec, default_dtype, load_model
+from harness.provenance import versions
 from harness.results import Record, ResultStore, config_key
 from harness.target import TargetRuntime
 from methods.base import REGISTRY, Method, build_method, parse_params, recorded_params
@@ -50,7 +51,8 @@ class RunConfig:
     simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
     executor: str = "local"  # "distributed": served ranks of their own (pipeline stages, SSD's drafter; launch.py)
     devices: str | None = None  # distributed: one device per served rank, comma list
-    timeout: float = 300.0  # distributed: seconds any rank may wait for another
+    timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
+    join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
 
     @property
     def stage_devices(self) -> list[str]:
@@ -102,8 +104,8 @@ def validate_executor(config: RunConfig, cls) -> None:
         raise HarnessError(f"--executor distributed runs {', '.join(distributed)}, not {config.method}")
     if config.simulate:
         raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
-    if not config.timeout > 0:
-        raise HarnessError(f"--timeout must be a positive number of seconds, got {config.timeout}")
+    launch.check_deadline("--timeout", config.timeout)
+    launch.check_deadline("--join-timeout", config.join_timeout)
     config.stage_devices  # noqa: B018 - validates --devices against n
 
 
@@ -128,17 +130,6 @@ def load_prompts(config: RunConfig) -> list[Sample]:
     if not samples:
         raise HarnessError("no prompts to run: every requested dataset is missing; pass --data-dir")
     return samples
-
-
-def versions() -> dict:
-    names = ("spd-bench", "torch", "transformers")
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
@@ -225,7 +216,7 @@ class Runner:
             **({"drafter": self.drafter} if self.drafter else {}),
         }
         self.key = config_key(spec)
-        self.references = ReferenceCache(loaded.identity, config.dtype_name, loaded.device.type)
+        self.references = ReferenceCache(loaded, config.dtype_name, self.stop_ids)
         self.target: TargetRuntime | None = None
 
     def load_method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
@@ -250,6 +241,8 @@ class Runner:
         `bar` (a sweep's overall bar) replaces the per-run one."""
         with store.writing():
             todo = self.todo(samples, store)
+            if len(todo) < len(samples):
+                tqdm.write(self._reused_note(samples, todo, store), file=sys.stderr)
             if not todo:
                 return 0
             prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
@@ -262,6 +255,16 @@ class Runner:
                 self._loop(todo, prompts, method, reference, store, bar)
             return len(todo)
 
+    def _reused_note(self, samples: list[Sample], todo: list[Sample], store: ResultStore) -> str:
+        """Which samples this run keeps from earlier records instead of measuring them, and from which code."""
+        wanted = {(s.dataset, str(s.question_id)) for s in samples} - {(s.dataset, str(s.question_id)) for s in todo}
+        kept = [r for r in store.load() if r["config_key"] == self.key and (r["dataset"], str(r["question_id"])) in wanted]
+        commits = sorted({(r.get("versions") or {}).get("commit") or "unknown" for r in kept})
+        return (f"{self.config.method}: {len(wanted)} of {len(samples)} samples already recorded in {store.path} "
+                f"(commit {', '.join(c[:10] for c in commits)}; this code: "
+                f"{(versions().get('commit') or 'unknown')[:10]}): kept, not measured again; another --out measures "
+                f"them anew")
+
     @contextmanager
     def _executor(self, method: Method):
         """The distributed executor's ranks for the whole run (the local one needs nothing)."""
@@ -269,7 +272,7 @@ class Runner:
             yield
             return
         with launch.stage_group(self.config.model, self.config.device, self.config.stage_devices,
-                                self.config.timeout) as group:
+                                self.config.timeout, self.config.join_timeout) as group:
             executor = method.distribute(group, self.config.dtype_name)
             yield
             executor.close()  # only after a clean run: a failed rank cannot be asked to stop
@@ -279,6 +282,13 @@ class Runner:
         own_bar = bar is None
         if own_bar:
             bar = tqdm(total=len(todo), desc=desc, unit="sample", dynamic_ncols=True)
+        try:
+            self._decode_all(todo, prompts, method, reference, store, bar)
+        finally:
+            if own_bar:
+                bar.close()  # ends the bar's line, so an error message starts a line of its own
+
+    def _decode_all(self, todo, prompts, method, reference, store, bar) -> None:
         tokens, seconds = 0, 0.0
         for index, (sample, prompt) in enumerate(zip(todo, prompts)):
             if self.config.simulate:
@@ -292,8 +302,6 @@ class Runner:
             seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
             bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—", lossless=_flag(lossless))
             bar.update()
-        if own_bar:
-            bar.close()
 
     def _simulate(self, method, reference, prompt, sample):
         """The method's acceptance replayed on the AR output for this prompt and seed (both cached, so the
@@ -414,7 +422,7 @@ def run(config: RunConfig) -> Path | None:
     stage rank, which only serves its stage)."""
     validate(config)
     if config.executor == "distributed" and launch.under_torchrun() and int(os.environ["RANK"]) > 0:
-        launch.serve_from_env(config.stage_devices, config.device, config.timeout)
+        launch.serve_from_env(config.stage_devices, config.device, config.timeout, config.join_timeout)
         return None
     samples = load_prompts(config)
     store_path = config.out

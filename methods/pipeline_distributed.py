@@ -56,35 +56,10 @@ class StagePlan:
         return tuple(layer for layer in self.capture if lo < layer <= hi)
 
 
-@dataclass
-class StageGroup:
-    """The driver's view of a started process group: backend, where tensors travel, and who the stages are."""
-
-    model: str
-    devices: list[str]  # one per stage
-    backend: str
-    timeout_s: float
-
-    @property
-    def world_size(self) -> int:
-        return len(self.devices) + 1
-
-    @property
-    def wire(self) -> torch.device:
-        """Where exchanged tensors live: the driver's GPU under NCCL, host memory under gloo."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-
-def _failure(exc: Exception) -> HarnessError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return HarnessError(f"distributed pipeline: a stage rank stopped answering ({first}); its own message, if any, "
-                        f"is above; rerun, or raise --timeout if a rank was only slow to load")
-
-
 class DistributedExecutor(StageExecutor):
     """Driver side: sends each level to its stage's rank and collects outputs and features."""
 
-    def __init__(self, group: StageGroup, target: TargetRuntime, bounds: list[tuple[int, int]],
+    def __init__(self, group, target: TargetRuntime, bounds: list[tuple[int, int]],
                  capture: tuple[int, ...], width: int, dtype: str):
         super().__init__(target, bounds, capture, width)
         if group.world_size != self.n + 1:
@@ -93,18 +68,12 @@ class DistributedExecutor(StageExecutor):
         self.group = group
         self.plan = StagePlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
                               bounds, capture, target.max_len, target.rewind_window)
-        self._send_object(self.plan)
+        group.start(self.plan)  # only now are the ranks waited for: a group of the wrong size never is
         self.stage_seconds = [0.0] * self.n
 
     # --- wire -------------------------------------------------------------------------------------------------
     def _guarded(self, action):
-        try:
-            return action()
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise _failure(exc) from None
-
-    def _send_object(self, obj) -> None:
-        self._guarded(lambda: dist.broadcast_object_list([obj], src=0))
+        return self.group.guarded(action, "stage")
 
     def _control(self, op: int, *args: int, counts=(), positions=()) -> None:
         vector = torch.zeros(HEADER + 2 * self.n, dtype=torch.long)

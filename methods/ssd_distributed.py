@@ -8,7 +8,7 @@ updates its state and answers with the next round's drafts: from the cache on a 
 Drafting the cache overlaps verification for real; what the driver waits for between rounds is the update plus the
 lookup, or the fallback. At the end of a generation the drafter reports its seconds per round, from which the
 driver models the overlap as the one-process run does. Every message is point to point between rank 0 and rank 1
-and every wait is bounded by the group's timeout.
+and every wait is bounded by the run deadline (harness/launch.py).
 """
 
 from __future__ import annotations
@@ -48,12 +48,6 @@ class DrafterPlan:
         return DrafterServer(self, device, wire)
 
 
-def _failure(exc: Exception) -> HarnessError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return HarnessError(f"ssd: the drafter rank stopped answering ({first}); its own message, if any, is above; "
-                        f"rerun, or raise --timeout if it was only slow to load")
-
-
 class RemoteDrafter:
     """Driver side: hands the drafter rank each generation's prompt and each round's outcome, receives drafts."""
 
@@ -66,13 +60,11 @@ class RemoteDrafter:
                        "devices": group.devices}  # the record's executor (the report labels such runs)
         plan = DrafterPlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
                            method.params, method.checkpoint, target.max_len, type(method), method.drafter_state())
-        self._guarded(lambda: dist.broadcast_object_list([plan], src=0))
+        self.group = group
+        group.start(plan)
 
     def _guarded(self, action):
-        try:
-            return action()
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise _failure(exc) from None
+        return self.group.guarded(action, "drafter")
 
     def _send(self, tensor: torch.Tensor) -> None:
         self._guarded(lambda: dist.send(tensor.to(self.wire).contiguous(), dst=1))

@@ -81,8 +81,9 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
     assert code == 0
     assert "| autoregressive | — | " in markdown and "| gsm8k | no | 2 | 10 |" in markdown
     assert "| overall | no | 2 | 10 |" in markdown
-    code, csv_text = _run("report", "--results", str(out), "--format", "csv")
-    assert code == 0 and csv_text.splitlines()[0].startswith("method,params,model,T,dataset,simulated")
+    result = CliRunner().invoke(main, ["report", "--results", str(out), "--format", "csv"])
+    csv_text = result.stdout  # notes (e.g. a modified tree) go to stderr
+    assert result.exit_code == 0 and csv_text.splitlines()[0].startswith("method,params,model,T,dataset,simulated")
     code, latex = _run("report", "--results", str(out), "--format", "latex")
     assert code == 0 and r"\begin{tabular}" in latex and r"autoregressive & --" in latex
 
@@ -110,7 +111,14 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
         (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "tpu,cpu"],
          "--devices entry 'tpu' is neither cpu nor cuda[:k]"),
         (["--method", "spd", "--executor", "distributed", "--simulate"], "drop --executor distributed"),
-        (["--method", "spd", "--executor", "distributed", "--timeout", "0"], "--timeout must be a positive number"),
+        (["--method", "spd", "--executor", "distributed", "--timeout", "0"], "--timeout must be a number of seconds "
+                                                                             "above 0"),
+        (["--method", "spd", "--executor", "distributed", "--timeout", "inf"], "up to 604800 (a week), got inf"),
+        (["--method", "spd", "--executor", "distributed", "--join-timeout", "1e14"], "--join-timeout must be"),
+        (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cuda:0,cuda:1"],
+         "--devices names cuda:0 but this machine has no CUDA devices"),
+        (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cudaX,cpu"],
+         "--devices entry 'cudaX' is neither cpu nor cuda[:k]"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_path, eval_dir, cache):
@@ -247,3 +255,42 @@ def test_a_prompt_longer_than_the_context_is_refused(tmp_path, tiny_dir, cache):
     code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--data-dir", str(data),
                         "--max-new-tokens", "4", "--out", str(out))
     assert code == 2 and "exceeds the model's context of 512 tokens" in output and not out.exists(), output
+
+
+def test_a_folder_with_the_same_weights_and_another_stop_id_gets_its_own_greedy_reference(tiny_dir, eval_dir, tmp_path,
+                                                                                          cache):
+    import shutil
+
+    args = ["--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "16", "--data-dir", str(eval_dir)]
+    code, output = _run("run", "--model", str(tiny_dir), *args, "--out", str(tmp_path / "a.jsonl"))
+    assert code == 0, output
+    first = _records(tmp_path / "a.jsonl")[0]["output_ids"]
+    stop = next(t for i, t in enumerate(first) if i >= 4 and t not in first[:i])  # a token greedy AR reaches later
+    other = tmp_path / "other-stop"
+    shutil.copytree(tiny_dir, other)
+    generation = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": stop}))
+    code, output = _run("run", "--model", str(other), *args, "--out", str(tmp_path / "b.jsonl"))
+    assert code == 0, output
+    rows = _records(tmp_path / "b.jsonl")
+    assert rows[0]["output_ids"][-1] == stop and len(rows[0]["output_ids"]) < len(first)  # it stopped earlier
+    assert all(r["lossless"]["identical"] for r in rows)  # not compared with the other folder's longer output
+    assert len(list((tmp_path / "cache" / "references").glob("*.jsonl"))) == 2
+
+
+def test_records_name_their_code_and_a_rerun_and_the_report_say_what_is_old(tiny_dir, eval_dir, tmp_path, cache):
+    from harness.provenance import code_identity
+
+    out = tmp_path / "r.jsonl"
+    args = ["run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
+            "--data-dir", str(eval_dir), "--out", str(out)]
+    code, output = _run(*args)
+    assert code == 0, output
+    (row,) = _records(out)
+    assert row["versions"]["commit"] == code_identity()["commit"] and len(row["versions"]["commit"]) == 40
+    assert isinstance(row["versions"]["modified"], bool)
+    code, output = _run(*args)
+    assert code == 0 and "1 of 1 samples already recorded in" in output and "kept, not measured again" in output
+    out.write_text(json.dumps({**row, "versions": {**row["versions"], "commit": "0" * 40}}) + "\n")
+    code, output = _run("report", "--results", str(out))
+    assert code == 0 and f"1 of 1 records were made at another commit than this checkout's" in output

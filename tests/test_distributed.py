@@ -83,29 +83,97 @@ def test_distributed_pipeline_equals_ar_and_the_local_executor(tmp_path, arch, n
 
 
 @pytest.mark.parametrize("fault", ["dies", "stops answering"])
-def test_a_failed_stage_rank_ends_the_run_with_one_line_and_no_leftover_process(tmp_path, fault):
+def test_a_stage_rank_that_fails_after_joining_ends_the_run_on_the_run_deadline_with_one_line(tmp_path, fault):
     folder = _saved(tmp_path, "llama")
     _, remote = _spd(folder, 2, 1)
-    with pytest.raises(HarnessError, match="a stage rank stopped answering"):
-        with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20) as group:
+    with pytest.raises(HarnessError, match="a stage rank stopped answering") as failure:
+        with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=900) as group:
             remote.distribute(group, "float32")
             with torch.inference_mode():
-                remote.generate([1, 2, 3], 8, Sampler(GREEDY))
-                rank = multiprocessing.active_children()[-1]
-                os.kill(rank.pid, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+                remote.generate([1, 2, 3], 8, Sampler(GREEDY))  # every rank has joined and served
+                os.kill(group.processes[-1].pid, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
                 start = time.monotonic()
                 remote.generate([1, 2, 3], 8, Sampler(GREEDY))
-    assert time.monotonic() - start < 40  # within the timeout, however the rank failed
+    assert "--timeout 20 s" in str(failure.value)
+    if fault == "dies":
+        assert "rank 2 (cpu) exited (signal 9)" in str(failure.value)
+    assert time.monotonic() - start < 300  # the run deadline ended it, not the 900 s join deadline
     assert not multiprocessing.active_children()
 
 
-def test_a_group_of_the_wrong_size_is_refused(tmp_path):
+def test_a_group_of_the_wrong_size_is_refused_before_any_rank_is_waited_for(tmp_path):
     folder = _saved(tmp_path, "llama")
     _, remote = _spd(folder, 3, 1)
-    with pytest.raises(HarnessError, match="--n 3 needs 4"):
-        with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=60) as group:
+    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=60, join_timeout_s=900) as group:
+        with pytest.raises(HarnessError, match="--n 3 needs 4"):
+            remote.distribute(group, "float32")
+        assert not group.started and not group.store.check(["plan"])  # no plan sent, nothing joined
+    assert not multiprocessing.active_children()
+
+
+def test_a_rank_that_exits_while_starting_ends_the_wait_at_once_with_its_exit(tmp_path):
+    folder = _saved(tmp_path, "llama")
+    _, remote = _spd(folder, 2, 1)
+    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=900) as group:
+        os.kill(group.processes[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(HarnessError, match=r"rank 1 \(cpu\) exited \(signal 9\) while starting"):
+            remote.distribute(group, "float32")
+    assert time.monotonic() - start < 300  # far inside the 900 s join deadline
+    assert not multiprocessing.active_children()
+
+
+def test_a_rank_that_fails_while_loading_reports_its_own_reason_through_the_driver(tmp_path):
+    folder, other = _saved(tmp_path, "llama"), str(tmp_path / "other")
+    tiny_model("llama", seed=7).save_pretrained(other)  # same shape, other weights: the ranks refuse to serve them
+    _, remote = _spd(folder, 2, 1)
+    with launch.stage_group(other, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=900) as group:
+        with pytest.raises(HarnessError, match=r"rank \d \(cpu\) failed: model .* has weights .* the driver's are"):
             remote.distribute(group, "float32")
     assert not multiprocessing.active_children()
+
+
+def test_a_rank_that_hangs_while_starting_ends_the_run_on_the_join_deadline_naming_it(tmp_path):
+    folder = _saved(tmp_path, "llama")
+    _, remote = _spd(folder, 2, 1)
+    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=5) as group:
+        os.kill(group.processes[1].pid, signal.SIGSTOP)
+        with pytest.raises(HarnessError, match=r"rank\(s\) [\d, ]*2 did not finish starting within the join deadline "
+                                               r"\(--join-timeout 5 s\)"):
+            remote.distribute(group, "float32")
+    assert not multiprocessing.active_children()
+
+
+def test_rank_and_world_size_alone_are_not_torchrun(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert not launch.under_torchrun()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert launch.under_torchrun()
+
+
+def test_a_torchrun_rank_whose_driver_never_comes_ends_with_one_line(tiny_dir, tmp_path):  # noqa: F811
+    port = launch_free_port()
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONPATH": str(Path(__file__).parents[1]), "HF_HUB_OFFLINE": "1"}
+    served = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--method", "spd", "--n", "2", "--ls", "1",
+                             "--model", str(tiny_dir), "--executor", "distributed", "--join-timeout", "3"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert served.returncode == 2
+    errors = [line for line in served.stderr.splitlines() if line.strip()]
+    assert errors == [f"error: rank 1: torchrun rank 1 could not reach the group's store at 127.0.0.1:{port} within "
+                      f"the join deadline (--join-timeout 3 s): {errors[0].rsplit(': ', 1)[-1]}"]
+
+
+def launch_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture

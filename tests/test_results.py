@@ -32,15 +32,15 @@ def test_a_reader_skips_a_torn_final_line_and_leaves_the_file_as_it_is(tmp_path)
         fh.write(json.dumps(_row(2))[:20])  # killed mid-write, or another process still writing
     before = store.path.read_bytes()
     assert [r["question_id"] for r in store.load()] == [1]
-    rows, dropped = load_all(store.path)
-    assert [r["question_id"] for r in rows] == [1] and dropped == 0
+    loaded = load_all(store.path)
+    assert [r["question_id"] for r in loaded.rows] == [1] and loaded.duplicates == 0
     assert store.path.read_bytes() == before
 
 
 def test_a_last_record_without_its_newline_is_read_and_kept(tmp_path):
     store = ResultStore(tmp_path / "r.jsonl")
     store.path.write_text(json.dumps(_row(1)) + "\n" + json.dumps(_row(2)))
-    assert [r["question_id"] for r in load_all(store.path)[0]] == [1, 2]
+    assert [r["question_id"] for r in load_all(store.path).rows] == [1, 2]
     with store.writing():
         store.append(_row(3))
     assert [r["question_id"] for r in store.load()] == [1, 2, 3]
@@ -78,8 +78,8 @@ def test_duplicates_of_a_sample_count_once(tmp_path):
     ResultStore(tmp_path / "a.jsonl").append(_row(1))
     ResultStore(tmp_path / "a.jsonl").append(_row(1))
     ResultStore(tmp_path / "b.jsonl").append(_row(2))
-    rows, dropped = load_all(tmp_path)
-    assert sorted(r["question_id"] for r in rows) == [1, 2] and dropped == 1
+    loaded = load_all(tmp_path)
+    assert sorted(r["question_id"] for r in loaded.rows) == [1, 2] and loaded.duplicates == 1
 
 
 def test_a_corrupt_line_in_the_middle_is_an_error_naming_the_line(tmp_path):
@@ -92,7 +92,7 @@ def test_a_corrupt_line_in_the_middle_is_an_error_naming_the_line(tmp_path):
 def test_load_all_reads_every_file_under_a_folder(tmp_path):
     ResultStore(tmp_path / "a" / "x.jsonl").append(_row(1))
     ResultStore(tmp_path / "b.jsonl").append(_row(2))
-    assert sorted(r["question_id"] for r in load_all(tmp_path)[0]) == [1, 2]
+    assert sorted(r["question_id"] for r in load_all(tmp_path).rows) == [1, 2]
     with pytest.raises(HarnessError, match="does not exist"):
         load_all(tmp_path / "missing")
 
@@ -136,3 +136,16 @@ def test_two_writers_and_a_reader_lose_and_duplicate_nothing(tmp_path):
     keys = [(r["config_key"], r["question_id"]) for r in rows]
     assert len(keys) == len(set(keys)) == 300  # two runs of "a" (150) and one of "b" (150), each sample once
     assert sizes == sorted(sizes)  # a reader never saw records disappear
+
+
+def test_a_folder_with_other_tools_files_is_read_with_those_skipped_and_a_broken_results_file_refused(tmp_path):
+    ResultStore(tmp_path / "ours.jsonl").append(_row(1))
+    (tmp_path / "exports").mkdir()
+    (tmp_path / "exports" / "spec-bench.jsonl").write_text(json.dumps({"question_id": 1, "choices": []}) + "\n")
+    (tmp_path / "notes.jsonl").write_text("not json at all\n")
+    loaded = load_all(tmp_path)
+    assert [r["question_id"] for r in loaded.rows] == [1]
+    assert sorted(p.name for p in loaded.foreign) == ["notes.jsonl", "spec-bench.jsonl"]
+    (tmp_path / "claims.jsonl").write_text(json.dumps(_row(2)) + "\n" + json.dumps({"choices": []}) + "\n")
+    with pytest.raises(HarnessError, match="claims.jsonl:2: not a result record"):
+        load_all(tmp_path)

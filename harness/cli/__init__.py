@@ -11,11 +11,15 @@ import logging
 import os
 import sys
 
-import click
+# Before torch loads: c10d logs every connection retry and timeout itself, with C++ frames, while the harness turns
+# each failure into one line that says what failed (set the variable to see them).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
-from harness.data import DATASETS
-from harness.errors import HarnessError
-from harness.models import DEFAULT_MODEL
+import click  # noqa: E402
+
+from harness.data import DATASETS  # noqa: E402
+from harness.errors import HarnessError  # noqa: E402
+from harness.models import DEFAULT_MODEL  # noqa: E402
 
 
 class _Group(click.Group):

@@ -35,10 +35,15 @@ from harness.cli import _method_options, _params, _values, main, prompt_options
               help="--executor distributed: one device per served rank, e.g. cuda:1,cuda:2 (default: the --device "
                    "type).")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
-              help="--executor distributed: seconds a rank may wait for another before the run fails.")
+              help="--executor distributed: the run deadline, seconds a rank may wait for another once every rank "
+                   "has started, before the run fails.")
+@click.option("--join-timeout", type=float, default=900.0, show_default=True,
+              help="--executor distributed: the start deadline, seconds the ranks may take to start and load what "
+                   "they serve (a spawned rank that exits meanwhile ends the wait at once).")
 @click.pass_context
 def run(ctx, method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens,
-        limit, seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout):
+        limit, seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
+        join_timeout):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.runner import RunConfig
     from harness.runner import run as run_config
@@ -50,7 +55,7 @@ def run(ctx, method, param_pairs, n, ls, schedule, width, m, model, datasets, te
         method=method, params=params, model=model, datasets=datasets, temperature=temperature,
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
         data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
-        executor=executor, devices=devices, timeout=timeout,
+        executor=executor, devices=devices, timeout=timeout, join_timeout=join_timeout,
     )
     path = run_config(config)
     if path is not None:  # a torchrun stage rank writes nothing

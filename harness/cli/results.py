@@ -11,13 +11,20 @@ from harness.errors import HarnessError
 
 
 def _records(results: Path) -> list[dict]:
-    """One record per sample under `results`, saying when duplicates (e.g. two runs on one file) were dropped."""
-    from harness.results import load_all
+    """One record per sample under `results`, saying when duplicates (e.g. two runs on one file) were dropped, which
+    files were not results files, and what code the records come from."""
+    from harness.provenance import code_identity
+    from harness.results import code_notes, load_all
 
-    rows, dropped = load_all(results)
-    if dropped:
-        click.echo(f"note: {dropped} duplicate records of the same samples under {results} were counted once", err=True)
-    return rows
+    loaded = load_all(results)
+    if loaded.duplicates:
+        click.echo(f"note: {loaded.duplicates} duplicate records of the same samples under {results} were counted "
+                   f"once", err=True)
+    for path in loaded.foreign:
+        click.echo(f"note: {path} is not a results file (no record on its first line): skipped", err=True)
+    for note in code_notes(loaded.rows, code_identity()):
+        click.echo(f"note: {note}", err=True)
+    return loaded.rows
 
 
 @main.command()
