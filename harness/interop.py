@@ -31,15 +31,66 @@ RENAMES = (("aggr_projs.", "projections."), ("spec_layers.", "layers."), ("lm_he
 NATIVE_QWEN3_LAYERS = ("qwen3", "qwen3_5", "qwen3_5_text")  # targets whose own layers carry q/k norms
 
 
+def load_weights_only(path: Path, what: str):
+    """`torch.load(weights_only=True)`: plain tensors, lists, numbers and strings, never code objects."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "unsupported global" in str(exc).lower():  # a class or function the file would construct
+            raise HarnessError(f"{path} holds code objects besides tensors (a full pickle), which are refused: only "
+                               f"plain tensors are read; save its state_dict and config alone") from None
+        raise HarnessError(f"{path} is not a readable {what} (not a torch file of plain tensors); pass a valid "
+                           f"file") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise HarnessError(f"{path} is not a readable {what} ({_first_line(exc)}); pass a valid file") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:160]
+
+
+def _integer(path: Path, name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise HarnessError(f"{path}: config {name} must be an integer >= {low}, got {value!r}; the file is damaged "
+                           f"or not of this format")
+    return value
+
+
+def _integers(path: Path, name: str, value, signed: bool = False) -> list[int]:
+    """A flat list of integers, non-negative unless `signed` (a list, or a 1-D integer tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise HarnessError(f"{path}: {name} must be a 1-D tensor of integer ids, got {value.dtype} of shape "
+                               f"{list(value.shape)}")
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise HarnessError(f"{path}: {name} must be a list of integers, got {str(value)[:60]!r}")
+    if not signed and any(v < 0 for v in value):
+        raise HarnessError(f"{path}: {name} holds negative values; the file is damaged")
+    return list(value)
+
+
+def check_weights(path: Path, weights: dict, exempt: tuple[str, ...] = ()) -> None:
+    """Every tensor (but the id maps in `exempt`) floating point and finite: an int8 or NaN weight is refused, not
+    cast or carried into decoding."""
+    for key, value in weights.items():
+        if key in exempt:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise HarnessError(f"{path}: {key} is a {type(value).__name__}, not a tensor")
+        if not value.is_floating_point():
+            raise HarnessError(f"{path}: weight {key} is {str(value.dtype).removeprefix('torch.')}, not floating "
+                               f"point; pass the unquantized head")
+        if not bool(torch.isfinite(value).all()):
+            raise HarnessError(f"{path}: weight {key} holds NaN or infinite values; the head is damaged")
+
+
 def read_v11(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The file's config and state dict, or one line saying why it is not a v11 speculation head."""
     if not path.is_file():
         raise HarnessError(f"{path} is not a file; pass a reference speculation head such as Qwen3.5-4B_s8_l4.pt")
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HarnessError(f"{path} is not a readable speculation head ({first[:160]}); pass a v11 .pt file") from None
+    saved = load_weights_only(path, "speculation head")
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict) or not isinstance(
             saved.get("state_dict"), dict):
         raise HarnessError(f"{path} holds no {{'state_dict', 'config'}} pair; pass a v11 speculation head")
@@ -51,6 +102,12 @@ def read_v11(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                if k not in config]
     if missing:
         raise HarnessError(f"{path} config lacks {', '.join(missing)}; the file is not a complete v11 head")
+    for name in ("hidden_size", "vocab_size", "num_stages", "num_spec_layers"):
+        _integer(path, f"{name}", config[name])
+    config["aggr_feature_bound"] = _integers(path, "aggr_feature_bound", config["aggr_feature_bound"])
+    if config.get("draft_token_ids") is not None:
+        config["draft_token_ids"] = _integers(path, "draft_token_ids", config["draft_token_ids"])
+    check_weights(path, state)
     return config, state
 
 
@@ -83,14 +140,17 @@ def to_harness(config: dict, state: dict[str, torch.Tensor]) -> dict[str, torch.
     return renamed
 
 
-def import_spd(path: Path, target: TargetRuntime, force: bool = False) -> Path:
-    """Convert `path` into the cache entry of (target, spd, n, Ls, input); returns its folder."""
+def import_spd(path: Path, target: TargetRuntime, force: bool = False, expect: tuple[int, int] | None = None) -> Path:
+    """Convert `path` into the cache entry of (target, spd, n, Ls, input); returns its folder. `expect`: the run's
+    (n, Ls), checked before anything is written."""
     from methods.speculator import Speculator, SpeculatorConfig
 
     path = Path(path)
     config, state = read_v11(path)
     check_against(path, config, target)
     n, ls = int(config["num_stages"]), int(config["num_spec_layers"])
+    if expect is not None and (n, ls) != tuple(expect):
+        raise HarnessError(f"{path} is a head for n={n}, Ls={ls}; pass --n {n} --ls {ls}")
     identity = target.identity.to_dict() if target.identity else {}
     weights = to_harness(config, state)
     draft = weights["draft_ids"]
@@ -147,21 +207,33 @@ def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as exc:
         raise HarnessError(f"{folder}/config.json is not JSON ({exc}); restore the file") from None
-    if not any("Eagle3" in a for a in config.get("architectures", [])):
-        raise HarnessError(f"{folder} is not an EAGLE-3 head (architectures {config.get('architectures')}); pass one "
-                           f"whose config names LlamaForCausalLMEagle3")
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list) or not any(isinstance(a, str) and "Eagle3" in a for a in architectures):
+        raise HarnessError(f"{folder} is not an EAGLE-3 head (architectures {architectures}); pass one whose "
+                           f"config.json is an object naming LlamaForCausalLMEagle3")
+    for name in ("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "intermediate_size"):
+        if config.get(name) is not None:
+            _integer(folder / "config.json", name, config[name])
+    if config.get("eagle_aux_hidden_state_layer_ids") is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = _integers(folder / "config.json", "eagle_aux_hidden_state_layer_ids",
+                                                               config["eagle_aux_hidden_state_layer_ids"])
     try:
         if (folder / "model.safetensors").is_file():
             weights = load_file(str(folder / "model.safetensors"))
         elif (folder / "pytorch_model.bin").is_file():
-            weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+            weights = load_weights_only(folder / "pytorch_model.bin", "EAGLE-3 weights file")
         else:
             raise HarnessError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
     except HarnessError:
         raise
     except Exception as exc:  # safetensors and torch.load each have their own error types for damaged files
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HarnessError(f"{folder}: the weights are not readable ({first[:160]}); restore them") from None
+        raise HarnessError(f"{folder}: the weights are not readable ({_first_line(exc)}); restore them") from None
+    if not isinstance(weights, dict):
+        raise HarnessError(f"{folder}: the weights file holds a {type(weights).__name__}, not a state dict")
+    check_weights(folder, weights, exempt=("d2t", "t2d"))
+    if "d2t" in weights:
+        _integers(folder, "d2t", weights["d2t"], signed=True)  # target id = draft id + d2t: whole numbers, one per draft id
     return config, weights
 
 
@@ -288,7 +360,9 @@ def _save_imported(module, method: str, tag: str, section: dict, target: TargetR
     digest = _sha256(source) if source.is_file() else _folder_sha256(source)
     if (folder / checkpoints.CONFIG).exists() and not force:
         if checkpoints.load_config(folder).get("source", {}).get("sha256") != digest:
-            raise HarnessError(f"{folder} already holds a drafter; pass --force to replace it with {source.name}")
+            raise HarnessError(f"{folder} already holds another drafter; replace it with `spd-bench import "
+                               f"--{'spd' if method == 'spd' else 'eagle3'} {source} --force`, or pass that folder "
+                               f"as --checkpoint")
     checkpoints.save(folder, module, {**section, "target": identity, "method": method,
                                       "source": {"file": source.name, "sha256": digest, **about}})
     return folder

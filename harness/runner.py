@@ -170,12 +170,8 @@ def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
                            f"pass a drafter folder for --method {config.method}")
     from harness.interop import import_spd
 
-    folder = import_spd(Path(config.checkpoint), TargetRuntime(loaded.model, max_len=8, identity=loaded.identity))
-    saved = checkpoints.load_config(folder)["speculator"]
-    if (saved["n"], saved["ls"]) != (config.params["n"], config.params["ls"]):
-        raise HarnessError(f"{config.checkpoint} is a head for n={saved['n']}, Ls={saved['ls']}; pass --n {saved['n']} "
-                           f"--ls {saved['ls']}")
-    config.checkpoint = str(folder)
+    target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+    config.checkpoint = str(import_spd(path, target, expect=(config.params["n"], config.params["ls"])))
 
 
 def _eagle3_folder(path: Path) -> bool:

@@ -135,6 +135,16 @@ def test_imported_head_equals_the_format_and_decodes_losslessly(tmp_path, monkey
     (lambda s: s["state_dict"].pop("lm_head.weight"), "does not fit a v11 head"),
     (lambda s: s["state_dict"].update(extra=torch.zeros(1)), "unexpected tensor 'extra'"),
     (lambda s: s["config"].update(draft_token_ids=[5, 3, 4]), "draft_token_ids must rise"),
+    (lambda s: s["config"].update(num_stages="two"), r"config num_stages must be an integer >= 1, got 'two'"),
+    (lambda s: s["config"].update(num_stages=None), r"config num_stages must be an integer >= 1, got None"),
+    (lambda s: s["config"].update(hidden_size="big"), r"config hidden_size must be an integer"),
+    (lambda s: s["config"].update(aggr_feature_bound=5), "aggr_feature_bound must be a list of integers"),
+    (lambda s: s["config"].update(draft_token_ids="abc"), "draft_token_ids must be a list of integers"),
+    (lambda s: s["config"].update(draft_token_ids=torch.tensor([[1, 2], [3, 4]])), "draft_token_ids must be a 1-D"),
+    (lambda s: s["config"].update(draft_token_ids=[-3, 4, 5]), "draft_token_ids holds negative values"),
+    (lambda s: s["state_dict"].update({"lm_head.weight": s["state_dict"]["lm_head.weight"].to(torch.int32)}),
+     "weight lm_head.weight is int32, not floating point"),
+    (lambda s: s["state_dict"]["lm_head.weight"].fill_(float("nan")), "weight lm_head.weight holds NaN"),
 ])
 def test_a_mismatched_or_malformed_head_is_one_line_and_writes_nothing(tmp_path, monkeypatch, change, message):
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
@@ -159,8 +169,10 @@ def test_files_that_are_not_heads_are_refused_without_unpickling(tmp_path, monke
         import_spd(tmp_path / "junk.pt", target)
 
     torch.save({"config": {"version": 11}, "state_dict": {}, "object": Payload()}, tmp_path / "object.pt")
-    with pytest.raises(HarnessError, match="not a readable speculation head"):
+    with pytest.raises(HarnessError, match=r"holds code objects besides tensors \(a full pickle\), which are "
+                                           r"refused: only plain tensors are read; save its state_dict") as refused:
         import_spd(tmp_path / "object.pt", target)
+    assert "torch." not in str(refused.value)  # no advice to load it unsafely
 
 
 def test_run_takes_a_head_file_as_checkpoint(tiny_dir, eval_dir, tmp_path, monkeypatch):  # noqa: F811
@@ -180,8 +192,16 @@ def test_run_takes_a_head_file_as_checkpoint(tiny_dir, eval_dir, tmp_path, monke
     assert result.exit_code == 0, result.output
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["lossless"]["identical"]
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "fresh-cache"))
     wrong = CliRunner().invoke(main, [*args[:4], "4", *args[5:]])
-    assert wrong.exit_code == 2 and "is a head for n=2" in wrong.output
+    assert wrong.exit_code == 2 and "is a head for n=2, Ls=2; pass --n 2 --ls 2" in wrong.output
+    assert not list((tmp_path / "fresh-cache").rglob("*.safetensors"))  # checked first: nothing imported
+    saved["state_dict"]["lm_head.weight"].mul_(2)  # another head under the same tag
+    torch.save(saved, tmp_path / "other_s2_l2.pt")
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    clash = CliRunner().invoke(main, [*args[:-1], str(tmp_path / "other_s2_l2.pt")])
+    assert clash.exit_code == 2 and len(clash.output.strip().splitlines()) == 1
+    assert f"replace it with `spd-bench import --spd {tmp_path / 'other_s2_l2.pt'} --force`" in clash.output
 
 
 # --- EAGLE-3 heads ------------------------------------------------------------------------------------------------
@@ -309,12 +329,41 @@ def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
     model, target = _target("llama")
     config, _ = _eagle3_folder(model, tmp_path / "head")
     for change, message in ((dict(architectures=["LlamaForCausalLM"]), "is not an EAGLE-3 head"),
+                            (dict(architectures=None), "is not an EAGLE-3 head"),
+                            (dict(eagle_aux_hidden_state_layer_ids=["2", "4", "5"]), "must be a list of integers"),
+                            (dict(draft_vocab_size="abc"), "draft_vocab_size must be an integer"),
                             (dict(hidden_size=32), "hidden size of 32"),
                             (dict(rope_theta=1.0), "rope theta 1.0"),
                             (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]), "reads hidden states")):
         (tmp_path / "head" / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(HarnessError, match=message):
             import_eagle3(tmp_path / "head", target)
+    (tmp_path / "head" / "config.json").write_text("[]")
+    with pytest.raises(HarnessError, match="not an EAGLE-3 head"):
+        import_eagle3(tmp_path / "head", target)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.update(d2t=torch.tensor(3)), "d2t must be a 1-D tensor of integer ids"),
+    (lambda w: w.update(d2t=w["d2t"].double() + 0.5), "d2t must be a 1-D tensor of integer ids"),
+    (lambda w: w.update({"fc.weight": w["fc.weight"].to(torch.int8)}), "weight fc.weight is int8, not floating point"),
+    (lambda w: w["norm.weight"].fill_(float("inf")), "weight norm.weight holds NaN or infinite values"),
+])
+def test_eagle3_weights_that_are_not_float_or_not_finite_or_ids_that_are_not_integers_are_refused(
+        tmp_path, monkeypatch, change, message):
+    from safetensors.torch import load_file, save_file
+
+    from harness.interop import import_eagle3
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    model, target = _target("llama")
+    _eagle3_folder(model, tmp_path / "head", draft_ids=[2, 5, 9, 30, 77, 201])
+    weights = load_file(str(tmp_path / "head" / "model.safetensors"))
+    change(weights)
+    save_file(weights, str(tmp_path / "head" / "model.safetensors"))
+    with pytest.raises(HarnessError, match=message):
+        import_eagle3(tmp_path / "head", target)
     assert not (tmp_path / "cache").exists()
 
 
