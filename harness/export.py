@@ -5,16 +5,22 @@
   Its `speed.py` takes a configuration's file and the autoregressive one as `--base-path`; its `equal.py` compares the
   `turns` of two files. The category is the dataset name (its `overall` task reads every line). Simulated records
   have no wall time and are skipped.
-- `reference`: the reference code's per-sample JSONL for pipeline runs (`dataset`, `question_id`, `generated`,
-  `new_tokens`, `decode_loop_steps`, `acceptance_rate` = N / S, `equivalent_accept_length` = n * N / S, wall times and
-  decode tok/s), one file per configuration, so its summaries (per-sample means, pooled rates) apply unchanged. Records
-  of other methods have no such file and are counted as skipped.
+- `reference`: the reference code's per-sample JSONL for pipeline runs, every field its eval script writes, by its
+  definitions (`reference_sample`), one file per configuration, so its aggregation (pooled N / S, n * sum N / sum S,
+  token-weighted mean theoretical gain, pooled flags and tokens per second) applies unchanged. Records of other
+  methods have no such file and are counted as skipped.
+
+File names are derived from the configuration (safe characters only, its key last, so they stay unique), and a
+folder receives all of an export's files or none.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,6 +37,13 @@ def _name(row: dict) -> str:
              "simulated" if row.get("simulated") else "", "distributed" if executor == "distributed" else "",
              row["config_key"]]
     return "-".join(p for p in parts if p)
+
+
+def _file_name(row: dict) -> str:
+    """A safe file name for the row's configuration: parameter values may hold "/" or spaces (SSD's --draft-model
+    /path or org/name); the configuration key at the end keeps names unique however they were shortened."""
+    readable = re.sub(r"[^A-Za-z0-9._=+-]+", "_", _name(row).removesuffix(row["config_key"])).strip("_-.")
+    return f"{readable[:150]}-{row['config_key']}"
 
 
 def _wall(row: dict) -> float:
@@ -56,38 +69,88 @@ def spec_bench_answer(row: dict) -> dict:
     }
 
 
-def reference_sample(row: dict, index: int) -> dict:
-    shape = row["stats"]["pipeline"]
-    steps, tokens = row["steps"], row["new_tokens"]
-    rate = tokens / steps if steps else 0.0
-    decode = row["timing"].get("decode", 0.0)
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def reference_sample(row: dict, index: int, question: str | None) -> dict:
+    """One row of the reference's eval output, every field it writes, by its definitions: N new tokens (the prefill
+    token included), S decode-loop steps, `acceptance_rate` N / S, `equivalent_accept_length` n N / S; its toy timing
+    model (a standard step 1 s, a pipeline step 1/n s) gives the theoretical times and `theoretical_throughput_gain_pct`
+    = (n N / S - 1) * 100; its acceptance flags count the prefill token as one accepted flag. The "ideal" times are
+    the decode with the stages' compute run in parallel (one process: the stage seconds shrink to the largest
+    stage's share; distributed: they already ran in parallel, nothing is saved)."""
+    shape, stats, timing = row["stats"]["pipeline"], row["stats"], row.get("timing") or {}
+    n, steps, tokens = shape["n"], row["steps"], row["new_tokens"]
+    pipe_time = max(steps, 1) / n
+    executor = stats.get("executor") or {}
+    distributed = executor.get("kind") == "distributed"
+    stage_s = sum(executor.get("stage_forward_s", [])) if distributed else timing.get("stages", 0.0)
+    saved = 0.0 if distributed else stage_s * (1 - shape["largest_stage"] / shape["num_layers"])
+    decode = timing.get("decode", 0.0)
+    ideal = decode - saved
     baseline = row.get("baseline") or {}
-    baseline_decode = baseline.get("timing", {}).get("decode", 0.0)
-    return {
+    base_decode = (baseline.get("timing") or {}).get("decode", 0.0)
+    base_tok_s = _ratio(baseline.get("new_tokens", 0), base_decode) if baseline else None
+    out = {
         "index": index,
         "dataset": row["dataset"],
         "question_id": row["question_id"],
+        "question": question,
         "generated": row["output_text"],
-        "prompt_len": row["prompt_tokens"],
         "new_tokens": tokens,
         "decode_loop_steps": steps,
-        "acceptance_rate": rate,
-        "equivalent_accept_length": shape["n"] * rate,
-        "n_accepted": sum(row["position_accepts"]),
-        "n_acceptance_flags": sum(row["stats"].get("fill_drafts", [])),
-        "theoretical_pipeline_parallel_factor": shape["num_layers"] / shape["largest_stage"],
-        "num_stages": shape["n"],
-        "draft_top_k": shape["width"],
-        "temperature": row["temperature"],
-        "top_k": row["top_k"],
-        "top_p": row["top_p"],
+        "acceptance_rate": _ratio(tokens, steps),
+        "equivalent_accept_length": n * _ratio(tokens, steps),
+        "n_accepted": sum(row["position_accepts"]) + 1,  # the prefill token is an accepted flag there
+        "n_acceptance_flags": sum(stats.get("fill_drafts", [])) + 1,
+        "theoretical_std_time_sec": float(tokens) if tokens else 0.0,
+        "theoretical_pipe_time_sec": pipe_time if tokens else 0.0,
+        "theoretical_std_tok_s": 1.0 if tokens else 0.0,
+        "theoretical_pipe_tok_s": tokens / pipe_time if tokens else 0.0,
+        "theoretical_throughput_gain_pct": (tokens / pipe_time - 1.0) * 100.0 if tokens else 0.0,
         "wall_time_sec": _wall(row),
-        "pipeline_prefill_wall_sec": row["timing"].get("prefill", 0.0),
+        "num_stages": n,
+        "use_deepest": True,  # finished tokens draft from their deepest features, as the reference's v11 heads
+        "draft_top_k": shape["width"],
+        "pipeline_prefill_wall_sec": timing.get("prefill", 0.0),
         "pipeline_decode_wall_sec": decode,
-        "pipeline_decode_tok_s": tokens / decode if decode else 0.0,
-        "baseline_decode_tok_s": baseline.get("new_tokens", 0) / baseline_decode if baseline_decode else None,
+        "pipeline_decode_tok_s": _ratio(tokens, decode),
+        "pipeline_stage_stream_gpu_sec": stage_s,
+        "pipeline_ideal_parallel_saved_sec": saved,
+        "ideal_decode_wall_sec": ideal,
+        "pipeline_ideal_decode_tok_s": _ratio(tokens, ideal),
+        # beyond the reference's fields: the sampling, the stage split and our losslessness verdict
+        "temperature": row["temperature"],
+        "top_k": row.get("top_k", 0),
+        "top_p": row.get("top_p", 1.0),
+        "theoretical_pipeline_parallel_factor": shape["num_layers"] / shape["largest_stage"],
+        "prompt_len": row.get("prompt_tokens"),
         "lossless": row["lossless"],
     }
+    if baseline:
+        out.update({
+            "baseline_prefill_wall_sec": (baseline.get("timing") or {}).get("prefill", 0.0),
+            "baseline_decode_wall_sec": base_decode,
+            "baseline_new_tokens": baseline.get("new_tokens", 0),
+            "baseline_decode_tok_s": base_tok_s,
+            "speedup_vs_baseline": _ratio(out["pipeline_decode_tok_s"], base_tok_s or 0.0) or None,
+            "ideal_speedup_vs_baseline": _ratio(out["pipeline_ideal_decode_tok_s"], base_tok_s or 0.0) or None,
+        })
+    return out
+
+
+def _questions(rows: list[dict]) -> dict[tuple[str, str], str]:
+    """The prompt text per (dataset, question id) from the prompt sets, where they load here (else none)."""
+    from harness.data import load_samples
+
+    texts = {}
+    for dataset in sorted({r["dataset"] for r in rows}):
+        try:
+            texts.update({(dataset, str(s.question_id)): s.prompt for s in load_samples(dataset)})
+        except HarnessError:
+            continue
+    return texts
 
 
 def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
@@ -101,16 +164,42 @@ def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
                 fmt == "spec-bench" and row.get("simulated")):  # a replay has no wall time to divide by
             skipped += 1
             continue
-        groups[_name(row)].append(row)
+        groups[_file_name(row)].append(row)
     if not groups:
         raise HarnessError(f"no records to export as {fmt} (reference: pipeline runs only); run `spd-bench run` first")
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+    _check_folder(out)
+    questions = _questions(rows) if fmt == "reference" else {}
+    files = {}
     for name, group in sorted(groups.items()):
-        lines = [spec_bench_answer(r) if fmt == "spec-bench" else reference_sample(r, i) for i, r in enumerate(group)]
-        path = out / f"{name}{'__per_sample' if fmt == 'reference' else ''}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")  # a file appears whole or not at all
-        tmp.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
-        tmp.replace(path)
-        written.append(path)
-    return written, skipped
+        lines = [spec_bench_answer(r) if fmt == "spec-bench" else
+                 reference_sample(r, i, questions.get((r["dataset"], str(r["question_id"]))))
+                 for i, r in enumerate(group)]
+        files[f"{name}{'__per_sample' if fmt == 'reference' else ''}.jsonl"] = lines
+    return _write_all(out, files), skipped
+
+
+def _check_folder(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise HarnessError(f"--out {out} is a file; pass a folder for the exported files")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HarnessError(f"--out {out} lies under the file {parent}; pass a folder path")
+
+
+def _write_all(out: Path, files: dict[str, list[dict]]) -> list[Path]:
+    """Every file written into a staging folder first, then moved in: all of them appear or none."""
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
+    try:
+        for name, lines in files.items():
+            (staging / name).write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines),
+                                        encoding="utf-8")
+        written = []
+        for name in files:
+            (staging / name).replace(out / name)
+            written.append(out / name)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -17,7 +17,10 @@ L/2, L-3). Heads trained here in that layout export back to the same folder form
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import pickle
+import tempfile
 from pathlib import Path
 
 import torch
@@ -196,8 +199,6 @@ def _rope_theta(config) -> float | None:
 
 def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """config.json and the weights (model.safetensors, else pytorch_model.bin read weights-only)."""
-    import json
-
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -302,18 +303,33 @@ def import_eagle3(folder: Path, target: TargetRuntime, ttt: int = 7, force: bool
                           {"eagle": head_config.to_dict()}, target, folder, force, {"format": "EAGLE-3 folder"})
 
 
-def export_eagle3(checkpoint: Path, out: Path, text_config) -> Path:
-    """A harness EAGLE-3 head of the eagle3 layout as the authors' folder (config.json + model.safetensors);
-    `text_config` is its target's (vocabulary, rotary embedding, default layer sizes)."""
-    import json
-    import os
-    import shutil
-    import tempfile
+EAGLE3_FILES = ("config.json", "model.safetensors")  # all that export_eagle3 writes
 
+
+def check_export_target(out: Path, replace: bool) -> None:
+    """The folder to write: new or empty; with `replace`, one whose files of ours get replaced (nothing else in it
+    is touched)."""
+    if out.exists() and not out.is_dir():
+        raise HarnessError(f"--out {out} is a file; pass a folder for the EAGLE-3 head")
+    if out.is_dir() and any(out.iterdir()) and not replace:
+        raise HarnessError(f"--out {out} is not empty; pass an empty or new folder, or --replace to overwrite its "
+                           f"{' and '.join(EAGLE3_FILES)}")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HarnessError(f"--out {out} lies under the file {parent}; pass a folder path")
+
+
+def export_eagle3(checkpoint: Path, out: Path, text_config, replace: bool = False) -> Path:
+    """A harness EAGLE-3 head of the eagle3 layout as the authors' folder (config.json + model.safetensors);
+    `text_config` is its target's (vocabulary, rotary embedding, default layer sizes). Both files are written beside
+    the target and moved in, so a failure leaves `out` as it was."""
     from safetensors.torch import save_file
 
     from methods.eagle_head import target_shape
 
+    check_export_target(out, replace)
     checkpoint = Path(checkpoint)
     saved = checkpoints.load_config(checkpoint)
     head = saved.get("eagle")
@@ -342,14 +358,25 @@ def export_eagle3(checkpoint: Path, out: Path, text_config) -> Path:
               "vocab_size": vocab, "draft_vocab_size": rows, "hidden_act": "silu", "tie_word_embeddings": False,
               "eagle_aux_hidden_state_layer_ids": list(head["feature_layers"]),
               "spd_bench": {"target": saved.get("target", {}), "ttt": head["ttt"]}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    save_file(theirs, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    out.mkdir(parents=True, exist_ok=True)  # with the user's umask, as any folder they make
+    staged = [Path(tempfile.mkstemp(dir=out, prefix=f".{name}-")[1]) for name in EAGLE3_FILES]
+    try:
+        (staged[0]).write_text(json.dumps(config, indent=2))
+        save_file(theirs, str(staged[1]))
+        mode = 0o666 & ~_umask()
+        for tmp, name in zip(staged, EAGLE3_FILES):
+            os.chmod(tmp, mode)
+            os.replace(tmp, out / name)
+    finally:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
     return out
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def _save_imported(module, method: str, tag: str, section: dict, target: TargetRuntime, source: Path,

@@ -405,3 +405,42 @@ def test_eagle3_folders_through_the_cli_import_run_and_export(tiny_dir, eval_dir
     exported = CliRunner().invoke(main, ["export-head", "--model", str(tiny_dir), "--out", str(tmp_path / "out")])
     assert exported.exit_code == 0, exported.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["draft_vocab_size"] == len(range(0, 49152, 7))
+
+
+def test_export_head_never_deletes_what_it_did_not_write_and_refuses_files_with_one_line(tiny_dir, tmp_path,  # noqa: F811
+                                                                                         monkeypatch):
+    import os
+    import stat
+
+    from harness import checkpoints
+    from harness.models import load_model
+    from methods.eagle_head import EagleConfig, EagleHead
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(str(tiny_dir), "cpu", "float32")
+    target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+    head = checkpoints.drafter_dir(loaded.identity, "eagle3", "ttt7-eagle3")
+    checkpoints.save(head, EagleHead(EagleConfig(num_layers=4, layout="eagle3"), target),
+                     {"eagle": EagleConfig(num_layers=4, layout="eagle3").to_dict(), "target": loaded.identity.to_dict()})
+    export = ["export-head", "--model", str(tiny_dir), "--out"]
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("a file")
+    for out, message in ((busy, "is not empty; pass an empty or new folder, or --replace"),
+                         (tmp_path / "file", "is a file; pass a folder"),
+                         (tmp_path / "file" / "sub", "lies under the file")):
+        result = CliRunner().invoke(main, [*export, str(out)])
+        assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"] and (tmp_path / "file").read_text() == "a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "cache", "file"]  # no staging leftovers
+    replaced = CliRunner().invoke(main, [*export, str(busy), "--replace"])
+    assert replaced.exit_code == 0, replaced.output
+    assert sorted(p.name for p in busy.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    fresh = tmp_path / "fresh"
+    old = os.umask(0o022)
+    try:
+        assert CliRunner().invoke(main, [*export, str(fresh)]).exit_code == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o755 and stat.S_IMODE((fresh / "config.json").stat().st_mode) == 0o644

@@ -163,18 +163,22 @@ def import_command(spd_file, eagle_dir, ttt, force, model, device, dtype):
 @model_option
 @click.option("--ttt", type=click.IntRange(min=1), default=7, show_default=True, help="Which trained head.")
 @click.option("--checkpoint", default=None, help="The head's folder (default: the cache's eagle3-layout head).")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="The EAGLE-3 folder to write.")
-def export_head(model, ttt, checkpoint, out):
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="The EAGLE-3 folder to write: new or empty.")
+@click.option("--replace", is_flag=True, help="Overwrite the config.json and model.safetensors of a non-empty --out "
+                                              "(nothing else in it is touched).")
+def export_head(model, ttt, checkpoint, out, replace):
     """An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format (SGLang, the EAGLE code)."""
     from transformers import AutoConfig
 
     from harness import checkpoints
-    from harness.interop import export_eagle3
+    from harness.interop import check_export_target, export_eagle3
     from harness.models import load_identity, resolve_model_dir
     from methods.eagle3 import EagleParams
 
+    check_export_target(out, replace)  # before anything loads
     tag = EagleParams(ttt=ttt, layout="eagle3").tag
     folder, _ = checkpoints.locate(load_identity(model), "eagle3", tag,
                                    f"spd-bench train --method eagle3 --ttt {ttt} --eagle-layout eagle3", checkpoint)
     text = AutoConfig.from_pretrained(resolve_model_dir(model)[1]).get_text_config()
-    click.echo(f"EAGLE-3 head: {export_eagle3(folder, out, text)}")
+    click.echo(f"EAGLE-3 head: {export_eagle3(folder, out, text, replace)}")
