@@ -11,7 +11,6 @@ noise).
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,7 +54,8 @@ def _label(s: Summary) -> str:
 
 
 def run_spec(rows: list[dict]) -> dict:
-    """The RunConfig fields of one configuration's records, and its samples as {dataset: [question ids]}."""
+    """The RunConfig fields of one configuration's records, its samples as {dataset: [question ids]} and where it ran
+    (local or distributed)."""
     first = rows[0]
     samples: dict[str, list] = {}
     for row in rows:
@@ -63,7 +63,15 @@ def run_spec(rows: list[dict]) -> dict:
     return {"method": first["method"], "params": first["params"], "model": first["model"]["name"],
             "temperature": first["temperature"], "top_k": first.get("top_k", 0), "top_p": first.get("top_p", 1.0),
             "max_new_tokens": first["max_new_tokens"], "seed": first["seed"], "dtype": first["dtype"],
-            "simulate": bool(first.get("simulated")), "samples": samples}
+            "simulate": bool(first.get("simulated")), "samples": samples,
+            "executor": ((first.get("stats") or {}).get("executor") or {}).get("kind", "local")}
+
+
+def identity(spec: dict) -> str:
+    """What a run must share with a baseline configuration to stand for it: everything in its run_spec, the prompt
+    set taken as a set and the executor (local in baselines older than the field)."""
+    samples = {dataset: sorted(str(q) for q in ids) for dataset, ids in spec["samples"].items()}
+    return json.dumps({**spec, "samples": samples, "executor": spec.get("executor", "local")}, sort_keys=True)
 
 
 def baseline_from(summaries: list[Summary], rows: list[dict]) -> list[Expected]:
@@ -138,15 +146,18 @@ def _config(spec: dict, model: str | None, device: str, data_dir: str | None) ->
     return config, wanted
 
 
-def compare(baseline: list[Expected], summaries: list[Summary], tolerance: float) -> list[Outcome]:
-    overall = [s for s in summaries if s.dataset == OVERALL]
-    by_key = {s.config_key: s for s in overall}
-    labels = Counter(_label(s) for s in overall)
-    # A retrained drafter changes the config key (it includes the weights' hash), so a unique label also matches.
-    by_label = {_label(s): s for s in overall if labels[_label(s)] == 1}
+def compare(baseline: list[Expected], summaries: list[Summary], rows: list[dict], tolerance: float) -> list[Outcome]:
+    """Each baseline configuration against the run of the same label and identity (lengths, prompt set, sampling,
+    seed, dtype, executor); a run that differs in any of them is not that configuration, so it counts as missing. The
+    config key is not required to match: a retrained drafter changes it (it includes the weights' hash)."""
+    by_key: dict[str, list[dict]] = {}
+    for row in rows:
+        by_key.setdefault(row["config_key"], []).append(row)
+    found = {(_label(s), identity(run_spec(by_key[s.config_key]))): s
+             for s in summaries if s.dataset == OVERALL and s.config_key in by_key}
     outcomes = []
     for expected in baseline:
-        s = by_key.get(expected.config_key) or by_label.get(expected.label)
+        s = found.get((expected.label, identity(expected.run))) if expected.run else None
         if s is None:
             outcomes.append(Outcome(expected, None, None, "—", "missing"))
             continue

@@ -167,7 +167,7 @@ def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
         groups[_file_name(row)].append(row)
     if not groups:
         raise HarnessError(f"no records to export as {fmt} (reference: pipeline runs only); run `spd-bench run` first")
-    _check_folder(out)
+    check_folder(out)
     questions = _questions(rows) if fmt == "reference" else {}
     files = {}
     for name, group in sorted(groups.items()):
@@ -178,7 +178,7 @@ def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
     return _write_all(out, files), skipped
 
 
-def _check_folder(out: Path) -> None:
+def check_folder(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise HarnessError(f"--out {out} is a file; pass a folder for the exported files")
     parent = out

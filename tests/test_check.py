@@ -57,6 +57,27 @@ def test_check_passes_then_catches_a_drop_a_lost_sample_and_a_missing_config(tmp
     assert code == 1 and "missing" in output and "1 of 2 configurations failed" in output
 
 
+@pytest.mark.parametrize("change", [
+    lambda r: r.update(max_new_tokens=8),  # shorter runs
+    lambda r: r.update(question_id=99),  # another prompt
+    lambda r: r["stats"].update(executor={"kind": "distributed"}),  # another executor
+    lambda r: r.update(seed=1),
+])
+def test_a_run_of_the_same_label_but_another_identity_is_missing_not_ok(tmp_path, change):
+    spd = {"n": 8, "ls": 4, "schedule": "input", "width": 1}
+    rows = [_row("spd", spd, d, "input") for d in ("gsm8k", "mt_bench")]
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, rows)
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    other = [json.loads(json.dumps(r)) for r in rows]
+    for r in other:
+        r["config_key"] += "-other"
+    change(other[0])
+    _write(results, other)
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "missing" in output
+
+
 def test_an_unreadable_baseline_is_a_clear_error(tmp_path):
     results = tmp_path / "r.jsonl"
     _write(results, [_row("spd", {"n": 8}, "gsm8k", "input")])

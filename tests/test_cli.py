@@ -294,3 +294,22 @@ def test_records_name_their_code_and_a_rerun_and_the_report_say_what_is_old(tiny
     out.write_text(json.dumps({**row, "versions": {**row["versions"], "commit": "0" * 40}}) + "\n")
     code, output = _run("report", "--results", str(out))
     assert code == 0 and f"1 of 1 records were made at another commit than this checkout's" in output
+
+
+def test_report_and_export_into_a_folder_or_under_a_file_are_one_line_and_leave_nothing(tiny_dir, eval_dir, tmp_path,
+                                                                                          cache, monkeypatch):
+    out = tmp_path / "r.jsonl"
+    code, output = _run("run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
+                        "--data-dir", str(eval_dir), "--out", str(out))
+    assert code == 0, output
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    monkeypatch.chdir(tmp_path / "folder")
+    for args, message in ((["report", "--out", str(tmp_path / "folder")], "is a folder; pass a file path"),
+                          (["report", "--out", "."], "is a folder; pass a file path"),
+                          (["report", "--out", str(tmp_path / "file" / "r.md")], "lies under the file"),
+                          (["export", "--format", "spec-bench", "--out", str(tmp_path / "file")], "is a file")):
+        result = CliRunner().invoke(main, [*args, "--results", str(out)])
+        assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "file", "folder", "r.jsonl"]
+    assert not list((tmp_path / "folder").iterdir()) and (tmp_path / "file").read_text() == "x"

@@ -39,6 +39,8 @@ def report(results, fmt, out, summary):
     from harness.report import RENDERERS, markdown_summary, render_figures
     from harness.results import load_training
 
+    if out is not None:
+        _check_report_path(out)
     rows = _records(results)
     if not rows:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
@@ -61,6 +63,17 @@ def report(results, fmt, out, summary):
     click.echo(f"report: {out}")
 
 
+def _check_report_path(out: Path) -> None:
+    """--out names a file to write: not a folder, not under a file."""
+    if out.is_dir():
+        raise HarnessError(f"--out {out} is a folder; pass a file path such as {out / 'results.md'}")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HarnessError(f"--out {out} lies under the file {parent}; pass a path in a folder")
+
+
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["spec-bench", "reference"]), required=True,
               help="spec-bench: Spec-Bench answer files; reference: the reference code's per-sample JSONL (pipeline).")
@@ -69,8 +82,10 @@ def report(results, fmt, out, summary):
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
 def export(fmt, results, out):
     """Our records in another tool's format, one file per configuration."""
+    from harness.export import check_folder
     from harness.export import export as write
 
+    check_folder(out)  # before the records are read
     written, skipped = write(_records(results), fmt, out)
     click.echo(f"{len(written)} files in {out}" + (f" ({skipped} records have no {fmt} form)" if skipped else ""))
 
@@ -112,7 +127,7 @@ def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
         regression.write_baseline(baseline, summarize(rows), rows)
         click.echo(f"baseline: {baseline}")
         return
-    outcomes = regression.compare(expected, summarize(rows), tolerance)
+    outcomes = regression.compare(expected, summarize(rows), rows, tolerance)
     click.echo(regression.table(outcomes), nl=False)
     failed = [o for o in outcomes if not o.ok]
     click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")
