@@ -197,7 +197,13 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokeniz
     torch_dtype = resolve_dtype(dtype or default_dtype(device))
     name, folder = resolve_model_dir(spec)
     identity = ModelIdentity(name=name, weights_sha256=weights_sha256(folder))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+        loaded_tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged or foreign config.json, tokenizer files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HarnessError(f"model {spec!r} ({folder}) does not load as a causal LM ({first[:200]}); fix its "
+                           f"config.json and tokenizer files or pass another model") from None
     model.to(torch_device).eval()
-    return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(folder) if tokenizer else None,
-                       identity=identity, device=torch_device, dtype=torch_dtype)
+    return LoadedModel(model=model, tokenizer=loaded_tokenizer, identity=identity, device=torch_device,
+                       dtype=torch_dtype)

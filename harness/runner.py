@@ -84,6 +84,11 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
     if config.simulate and cls.simulate is Method.simulate:
         raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
+    if config.simulate:
+        try:
+            cls.check_simulation(params, config.temperature)
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from None
     if config.limit is not None and config.limit < 1:
         raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
     if config.max_new_tokens < 1:

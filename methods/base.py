@@ -102,6 +102,11 @@ class Method(ABC):
     def check_model(cls, params, num_layers: int) -> None:
         """Raise ValueError when these parameters cannot run on a target with `num_layers` layers."""
 
+    @classmethod
+    def check_simulation(cls, params, temperature: float) -> None:
+        """Raise ValueError when `--simulate` cannot replay these parameters at `temperature` (checked before
+        anything loads)."""
+
     @abstractmethod
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
@@ -147,7 +152,9 @@ def parse_params(cls: type[Method], raw: dict):
                 raise ValueError(f"parameter {name} of {cls.name} wants a number, got {value!r}") from None
         if types[name] == "int" and not isinstance(value, int):
             raise ValueError(f"parameter {name} of {cls.name} wants an integer, got {value!r}")
-        if types[name] == "str" and not isinstance(value, str):
+        if types[name] == "str" and isinstance(value, int):  # a word of digits, as the command line gives it
+            values[name] = str(value)
+        elif types[name] == "str" and not isinstance(value, str):
             raise ValueError(f"parameter {name} of {cls.name} wants a word, got {value!r}")
     return cls.Params(**values)
 

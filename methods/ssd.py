@@ -29,6 +29,7 @@ its decode time beside AR's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -61,11 +62,12 @@ class SSDParams:
             raise ValueError(f"k, fan_out and ttt must be >= 1, got k={self.k}, fan_out={self.fan_out}, ttt={self.ttt}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
-        if not self.saguaro_x > 0:
-            raise ValueError(f"saguaro_x must be > 0, got {self.saguaro_x}")
+        if not (math.isfinite(self.saguaro_x) and self.saguaro_x > 0):
+            raise ValueError(f"saguaro_x must be a finite number > 0, got {self.saguaro_x}")
         fan_outs = self.fan_outs  # parses fan_out_list
         if len(fan_outs) != self.k + 1 or min(fan_outs) < 0:
-            raise ValueError(f"fan_out_list needs k + 1 = {self.k + 1} counts >= 0, got {self.fan_out_list!r}")
+            raise ValueError(f"fan_out_list needs k + 1 = {self.k + 1} comma-separated counts >= 0 (one per accepted "
+                             f"count 0..k), got {self.fan_out_list!r}")
         rows = self.k + sum(fan_outs) * (self.k + 1)
         if rows > MAX_SPECULATED:
             raise ValueError(f"k={self.k} with fan-outs {fan_outs} drafts {rows} rows per round (at most "
@@ -205,14 +207,21 @@ class SSD(Method):
         generation.timing["synchronous_decode"] = synchronous.timing["decode"]
         generation.stats.update(synchronous_tokens=len(synchronous.output_ids), synchronous_samples=1)
 
+    @classmethod
+    def check_simulation(cls, params: SSDParams, temperature: float) -> None:
+        if temperature > 0:
+            raise ValueError("ssd --simulate is exact only at T=0 (sampled chains need the target's distributions off "
+                             "the trajectory); run it without --simulate or at --temperature 0")
+
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
                  ) -> Generation:
         """The real rounds (drafts, cache, fallbacks) with the trajectory in place of the target's verification:
         exact at T=0. At T>0 a sampled chain's acceptance depends on p off the trajectory, which a replay lacks."""
-        if not sampler.greedy:
-            raise HarnessError("ssd --simulate is exact only at T=0 (sampled chains need the target's distributions "
-                               "off the trajectory); run it without --simulate")
+        try:
+            self.check_simulation(self.params, 0.0 if sampler.greedy else sampler.config.temperature)
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from None
         return rounds_on_trajectory(
             lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
                                                               verify),

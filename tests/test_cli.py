@@ -119,6 +119,9 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
          "--devices names cuda:0 but this machine has no CUDA devices"),
         (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cudaX,cpu"],
          "--devices entry 'cudaX' is neither cpu nor cuda[:k]"),
+        (["--method", "ssd", "--saguaro-x", "inf", "--temperature", "1"], "saguaro_x must be a finite number > 0"),
+        (["--method", "ssd", "--fan-out-list", "3"], "fan_out_list needs k + 1 = 5 comma-separated counts >= 0"),
+        (["--method", "ssd", "--simulate", "--temperature", "1"], "ssd --simulate is exact only at T=0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_path, eval_dir, cache):
@@ -313,3 +316,43 @@ def test_report_and_export_into_a_folder_or_under_a_file_are_one_line_and_leave_
         assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "file", "folder", "r.jsonl"]
     assert not list((tmp_path / "folder").iterdir()) and (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("config", ["{not json", "[]", '{"model_type": "no-such-architecture"}'])
+def test_a_model_folder_with_a_broken_config_is_one_line(tiny_dir, eval_dir, tmp_path, cache, config):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    (broken / "config.json").write_text(config)
+    out = tmp_path / "r.jsonl"
+    for option in (["--model", str(broken)], ["--method", "ssd", "--draft-model", str(broken), "--model", str(tiny_dir)]):
+        result = CliRunner().invoke(main, ["run", *option, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens",
+                                           "4", "--data-dir", str(eval_dir), "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "does not load as a causal LM" in errors[0] and "Traceback" not in result.output
+        assert not out.exists()
+
+
+def test_an_error_mid_run_starts_a_line_of_its_own_after_the_progress_bar(tiny_dir, eval_dir, tmp_path, cache,
+                                                                          monkeypatch):
+    from harness.errors import HarnessError
+    from harness.runner import Runner
+
+    calls = []
+    real = Runner._generate_pair
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise HarnessError("distributed run: a stage rank stopped answering (test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "_generate_pair", failing)
+    result = CliRunner().invoke(main, ["run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "3",
+                                       "--max-new-tokens", "4", "--data-dir", str(eval_dir),
+                                       "--out", str(tmp_path / "r.jsonl")])
+    assert result.exit_code == 2
+    assert "error: distributed run: a stage rank stopped answering (test)" in result.stderr.splitlines()
+    assert len(_records(tmp_path / "r.jsonl")) == 1  # the finished sample is kept for a resume
