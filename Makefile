@@ -27,7 +27,7 @@ GATE_TOLERANCE ?= 0.1
 GATE_RUN       := cd $(GATE_DIR) && export HF_HUB_OFFLINE=1 SPD_BENCH_CACHE=$(GATE_DIR)/cache && $(abspath $(BIN))/spd-bench
 GATE_ARGS      := --dataset mt_bench,gsm8k,humaneval --limit 2 --max-new-tokens 48
 
-.PHONY: install bench test test-fast report regression regression-baseline gate-dir gpu-check
+.PHONY: install bench test test-fast stress-distributed report regression regression-baseline gate-dir gpu-check
 
 install: $(STAMP)
 
@@ -56,6 +56,14 @@ test: install
 
 test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto -m "not e2e"
+
+# The distributed tests on a loaded machine: two CPU-bound processes run beside them for their whole duration (bounded
+# by `timeout`, stopped when the tests end), as on a shared workstation or a busy CI runner.
+stress-distributed: install
+	timeout 3600 $(BIN)/python -c 'while True: pass' & one=$$!; \
+	timeout 3600 $(BIN)/python -c 'while True: pass' & two=$$!; \
+	trap 'kill $$one $$two 2>/dev/null' EXIT; \
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q tests/test_distributed.py
 
 gate-dir: install
 	rm -rf $(GATE_DIR) && mkdir -p $(GATE_DIR)

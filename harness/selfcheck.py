@@ -90,6 +90,44 @@ def _oracle_class(reference: dict[int, int], hit_rate: float):
     return Oracle
 
 
+def ssd_oracle(inner, reference: dict[int, int], hit_rate: float):
+    """`inner` (an SSD) drafting, and guessing, the greedy reference token first with probability `hit_rate` per
+    row, so cache hits and misses both occur with a random head; its state travels to a drafter rank with the plan."""
+    from methods.ssd import SSD
+
+    class Oracle(SSD):
+        def __init__(self):
+            self.__dict__.update(inner.__dict__)
+            self.reference, self.hit_rate = reference, hit_rate
+            self.rng = torch.Generator().manual_seed(0)
+
+        def _logits(self, states, positions):
+            logits = super()._logits(states, positions).clone()
+            for row, position in enumerate(positions):
+                right = self.reference.get(position)
+                if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
+                    logits[row] = -10.0
+                    logits[row, right] = 10.0
+            return logits
+
+        def drafter_state(self) -> dict:
+            return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}
+
+    return Oracle()
+
+
+def _with_oracle(method, prompt: list[int], reference: list[int]):
+    """The method with a drafter that proposes AR's next token 70% of the time (pipeline engines, SSD)."""
+    from methods.ssd import SSD
+
+    by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
+    if hasattr(method, "engine"):
+        method.engine.drafter_class = _oracle_class(by_position, 0.7)
+    if isinstance(method, SSD):
+        return ssd_oracle(method, by_position, 0.7)
+    return method
+
+
 def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     """Every method the harness runs, with random drafters, as chains and as width-4 trees."""
     from methods.eagle3 import EAGLE3, EagleParams
@@ -97,6 +135,7 @@ def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     from methods.ppsd import PPSD
     from methods.spd import SPD
     from methods.speculator import Speculator, SpeculatorConfig
+    from methods.ssd import SSD, SSDParams
 
     found = []
     widths = (1, 4)
@@ -109,6 +148,8 @@ def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     for width in widths:
         head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
         found.append((f"eagle3 m=3 w={width}", EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)))
+    head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
+    found.append(("ssd k=3 fan_out=2", SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), head=head)))
     return found
 
 
@@ -126,11 +167,8 @@ def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int) -
         identical = ties = tokens = steps = 0
         seconds = 0.0
         for prompt, reference in zip(prompts, references):
-            if hasattr(method, "engine"):
-                method.engine.drafter_class = _oracle_class(
-                    {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
             with torch.inference_mode():
-                generation = method.generate(prompt, new_tokens, greedy)
+                generation = _with_oracle(method, prompt, reference).generate(prompt, new_tokens, greedy)
                 verdict = compare(target, prompt, generation.output_ids, reference)
             identical += verdict["identical"]
             ties += _tie(verdict)
@@ -180,34 +218,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> Check:
-    """SPD n=2 with one process per stage on `device` (a tiny model: every rank loads it from disk)."""
-    from harness import launch
+def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> list[Check]:
+    """SPD n=2 with one process per stage, and SSD with its drafter in a process of its own, on `device` (a tiny
+    model: every rank loads it from disk; SSD's random head is saved as its checkpoint for the drafter's rank)."""
+    from harness import checkpoints, launch
     from harness.models import load_model
     from methods.base import build_method
+    from methods.eagle_head import EagleConfig, EagleHead
     from methods.sampling import Sampler, SamplingConfig
     from methods.spd import SPD
     from methods.speculator import Speculator, SpeculatorConfig
+    from methods.ssd import SSD, SSDParams
 
     dtype_name = str(dtype).removeprefix("torch.")
+    checks = []
     with tempfile.TemporaryDirectory() as folder:
         build_model("qwen3_5", "tiny", "cpu", dtype).save_pretrained(folder)
         loaded = load_model(folder, device, dtype_name, tokenizer=False)
         target = TargetRuntime(loaded.model, max_len=max(map(len, prompts)) + new_tokens + 64, identity=loaded.identity)
-        speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=target.num_layers), target).eval()
-        method = SPD(target, SPD.Params(n=2, ls=1), set(), speculator=speculator)
         ar = build_method("autoregressive", target, {}, set())
-        identical = 0
-        with launch.stage_group(folder, device, [device] * 2, timeout_s=300) as group:
-            executor = method.distribute(group, dtype_name)
-            for prompt in prompts:
-                with torch.inference_mode():
-                    reference = ar.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids
-                    method.engine.drafter_class = _oracle_class(
-                        {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
-                    identical += method.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids == reference
-            executor.close()
-        return Check("tiny qwen3_5", f"spd n=2 distributed ({group.backend})", len(prompts), identical, 0, 0.0, 0.0)
+        with torch.inference_mode():
+            references = [ar.generate(p, new_tokens, Sampler(SamplingConfig())).output_ids for p in prompts]
+        speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=target.num_layers), target).eval()
+        spd = SPD(target, SPD.Params(n=2, ls=1), set(), speculator=speculator)
+        head_config = EagleConfig(ttt=3, num_layers=target.num_layers, target=loaded.identity.to_dict())
+        head = f"{folder}/ssd-head"
+        checkpoints.save(head, EagleHead(head_config, target).eval(),
+                         {"eagle": head_config.to_dict(), "target": head_config.target, "method": "eagle3"})
+        ssd = SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), checkpoint=head)
+        for label, method, ranks in (("spd n=2", spd, 2), ("ssd k=3 fan_out=2", ssd, 1)):
+            identical = 0
+            with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
+                for index, (prompt, reference) in enumerate(zip(prompts, references)):
+                    oracle = _with_oracle(method, prompt, reference)
+                    if index == 0:  # SSD's oracle holds this prompt's reference: it goes with the drafter's plan
+                        executor = oracle.distribute(group, dtype_name)
+                    elif oracle is not method:
+                        oracle.remote = executor
+                    with torch.inference_mode():
+                        identical += oracle.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids == reference
+                executor.close()
+            checks.append(Check("tiny qwen3_5", f"{label} distributed ({group.backend})", len(prompts), identical, 0,
+                                0.0, 0.0))
+    return checks
 
 
 def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: torch.dtype) -> list[Check]:
@@ -226,7 +279,7 @@ def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: tor
         del model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    checks.append(check_distributed(device, dtype, [[1, 2, 3], [7]], new_tokens))
+    checks += check_distributed(device, dtype, [[1, 2, 3], [7]], new_tokens)
     return checks
 
 

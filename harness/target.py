@@ -262,9 +262,12 @@ class TargetRuntime:
         """Token ids [T] -> hidden states [1, T, D] (h[0])."""
         return self.backbone.embed_tokens(ids.to(self.device)[None])
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.backbone.norm(h)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on pre-norm hidden states [1, T, D] -> float32 logits [T, V]."""
-        return self.model.lm_head(self.backbone.norm(h))[0].float()
+        return self.model.lm_head(self.final_norm(h))[0].float()
 
     def run_layers(
         self,

@@ -89,8 +89,9 @@ class PipelineEngine:
     prompt."""
 
     def __init__(self, target: TargetRuntime, speculator: Speculator, stop_ids: set[int], width: int = 1,
-                 drafter_class=Drafter, executor: StageExecutor | None = None):
+                 drafter_class=Drafter, executor: StageExecutor | None = None, post_norm_prompt: bool = False):
         self.target = target
+        self.post_norm_prompt = post_norm_prompt  # the reference's prefill features (PipelineParams.prefill_features)
         self.drafter_class = drafter_class
         self.speculator = speculator
         self.config = speculator.config
@@ -174,6 +175,7 @@ class PipelineEngine:
     def _prefill(self, prompt_ids: list[int], sampler: Sampler) -> tuple[Token, list[Token]]:
         """The prompt's forward; its tokens are finished rows for the drafter, the sampled token enters."""
         logits, captured = self.executor.prefill(prompt_ids)
+        captured = self.prompt_features(captured, len(prompt_ids))
         n = self.config.n
         prompt_rows = [
             Token(p, t, n, None, {layer: captured[layer][:, p : p + 1] for layer in self.capture})
@@ -181,6 +183,15 @@ class PipelineEngine:
         ]
         (first,) = self._new_tokens(len(prompt_ids), [sampler.pick(logits)], [None], [0.0], fill=0)
         return first, prompt_rows
+
+    def prompt_features(self, captured: dict[int, torch.Tensor], length: int) -> dict[int, torch.Tensor]:
+        """The first `length` (prompt) rows of the captured layers as the drafter reads them: pre-norm, or with
+        post_norm_prompt the last layer's after the final norm."""
+        last = self.target.num_layers
+        if not self.post_norm_prompt or last not in captured:
+            return captured
+        h = captured[last]
+        return {**captured, last: torch.cat([self.target.final_norm(h[:, :length]), h[:, length:]], dim=1)}
 
     def _new_tokens(self, position: int, tokens: list[int], parents: list, scores: list[float], fill: int,
                     q: torch.Tensor | None = None) -> Level:

@@ -46,12 +46,13 @@ def simulate(engine: PipelineEngine, prompt_ids: list[int], trajectory: list[int
     config = engine.config
     if engine.width == 1:
         teacher = Teacher.run(engine.target, prompt_ids, trajectory, engine.capture, sampler)
+        teacher.features = engine.prompt_features(teacher.features, len(prompt_ids))
         return replay_cycles(fill_state_accepts(engine.speculator, teacher), teacher, config.n, config.schedule,
                              max_new_tokens, engine.stop_ids, engine.shape())
     capture = tuple(sorted(set(engine.capture) | set(linear_layers(engine.target))))  # + linear layers' inputs
     teacher = Teacher.run(engine.target, prompt_ids, trajectory, capture, sampler, keep_cache=True)
     replay = PipelineEngine(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class,
-                            executor=TeacherForcedExecutor(engine, teacher))
+                            executor=TeacherForcedExecutor(engine, teacher), post_norm_prompt=engine.post_norm_prompt)
     generation = replay.generate(prompt_ids, max_new_tokens, sampler)
     generation.stats["expected_accepts"] = float(sum(generation.position_accepts))  # the realised ones, see above
     del generation.stats["stage_runs"]  # cycles before a certain flush draft placeholders

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from harness import checkpoints
 from harness.errors import HarnessError
-from methods.base import Generation, Method, register
+from methods.base import RECORDED_WHEN_SET, Generation, Method, register
 from methods.pipeline import PipelineEngine
 from methods.pipeline_replay import simulate
 from methods.sampling import Sampler
 from methods.speculator import SCHEDULES, Speculator, SpeculatorConfig
+
+
+PREFILL_FEATURES = ("pre-norm", "reference")
 
 
 @dataclass(frozen=True)
@@ -21,10 +24,16 @@ class PipelineParams:
     ls: int = 4
     schedule: str = "input"
     width: int = 1
+    # "reference": the prompt's features at a bound equal to the layer count are taken after the final norm, as the
+    # reference code's single-process prefill reads HF's hidden_states[L] (its decoding and training use pre-norm)
+    prefill_features: str = field(default="pre-norm", metadata=RECORDED_WHEN_SET)
 
     def __post_init__(self):
         if self.width < 1 or self.n < 1:
             raise ValueError(f"draft width and n must be >= 1, got width={self.width}, n={self.n}")
+        if self.prefill_features not in PREFILL_FEATURES:
+            raise ValueError(f"prefill_features must be one of {', '.join(PREFILL_FEATURES)}, got "
+                             f"{self.prefill_features!r}")
         SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule)  # validates schedule and ls
 
     @property
@@ -111,7 +120,8 @@ class SPD(Method):
     def __init__(self, target, params: PipelineParams, stop_ids, checkpoint=None, speculator: Speculator | None = None):
         super().__init__(target, params, stop_ids, checkpoint)
         self.speculator = speculator or load_speculator(target, self.name, self.policy, params, checkpoint)
-        self.engine = PipelineEngine(target, self.speculator, stop_ids, width=params.width)
+        self.engine = PipelineEngine(target, self.speculator, stop_ids, width=params.width,
+                                     post_norm_prompt=params.prefill_features == "reference")
 
     @classmethod
     def served(cls, params: PipelineParams) -> tuple[int, str]:

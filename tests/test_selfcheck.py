@@ -16,7 +16,9 @@ def test_selfcheck_runs_every_method_against_ar_and_records_it(tmp_path):
     methods = {(r["model"].split()[0], r["method"]) for r in rows}
     assert ("qwen3", "spd n=4 ls=1 input w=4") in methods and ("qwen3_5", "eagle3 m=3 w=1") in methods
     assert ("qwen3_5", "spd n=4 ls=1 input w=4") in methods and ("qwen3_5", "eagle3 m=3 w=4") in methods
+    assert ("qwen3", "ssd k=3 fan_out=2") in methods and ("qwen3_5", "ssd k=3 fan_out=2") in methods
     assert any(m.startswith("spd n=2 distributed") for _, m in methods)
+    assert any(m.startswith("ssd k=3 fan_out=2 distributed") for _, m in methods)
     assert all(r["ok"] for r in rows) and "verdict" in result.output
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harness.target import TargetRuntime
-from methods.base import build_method
+from methods.base import build_method, recorded_params
 from methods.pipeline import Drafter
 from methods.sampling import Sampler, SamplingConfig
 from methods.ppsd import PPSD
@@ -212,3 +212,34 @@ def test_the_scheduler_reaches_the_target_only_through_its_stage_executor(width)
     accepted = sum(generation.position_accepts)
     assert calls.count("verification_logits") == verified
     assert calls.count("commit") == accepted and calls.count("truncate") == verified - accepted > 0
+
+
+def test_the_reference_prefill_reads_the_last_layer_after_the_final_norm_and_both_settings_stay_lossless():
+    """A bound equal to L (the reference's default bounds for n <= 6): its single-process prefill reads HF's
+    hidden_states[L], after the final norm; `prefill_features=reference` reproduces that for the prompt's rows only."""
+    model = tiny_model("qwen3", num_layers=8)
+    target = TargetRuntime(model, max_len=128)
+    speculator = Speculator(SpeculatorConfig(n=4, ls=1, num_layers=8, aggr_bounds=(0, 2, 6, 7, 8)), target).eval()
+    methods = {mode: SPD(target, SPD.Params(n=4, ls=1, prefill_features=mode), set(), speculator=speculator)
+               for mode in ("pre-norm", "reference")}
+    prompt = list(range(10, 21))
+    with torch.inference_mode():
+        _, captured = target.forward(torch.tensor(prompt), start=0, capture=(7, 8))
+        rows = {}
+        for mode, method in methods.items():
+            method.engine.executor.start()
+            rows[mode] = method.engine._prefill(prompt, Sampler(GREEDY))[1]
+        for p, (plain, theirs) in enumerate(zip(rows["pre-norm"], rows["reference"])):
+            assert torch.allclose(plain.features[8], captured[8][:, p: p + 1])
+            assert torch.allclose(theirs.features[8], target.final_norm(captured[8])[:, p: p + 1])
+            assert torch.equal(plain.features[7], theirs.features[7])  # only the last layer's rows change
+        assert not torch.allclose(rows["pre-norm"][0].features[8], rows["reference"][0].features[8])
+        reference = build_method("autoregressive", target, {}, set()).generate(prompt, 16, Sampler(GREEDY)).output_ids
+        for method in methods.values():
+            executed = method.generate(prompt, 16, Sampler(GREEDY))
+            assert executed.output_ids == reference
+            assert method.simulate(prompt, reference, 16, Sampler(GREEDY)).accepted == executed.accepted
+    assert recorded_params(SPD.Params()) == recorded_params(SPD.Params(prefill_features="pre-norm"))  # keys unchanged
+    assert recorded_params(SPD.Params(prefill_features="reference"))["prefill_features"] == "reference"
+    with pytest.raises(ValueError, match="prefill_features must be one of pre-norm, reference"):
+        SPD.Params(prefill_features="post")

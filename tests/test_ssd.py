@@ -13,6 +13,7 @@ from methods.base import Timer, build_method, parse_params
 from methods.eagle3 import EAGLE3, EagleParams
 from methods.eagle_head import EagleConfig, EagleHead
 from methods.sampling import Sampler, SamplingConfig
+from harness.selfcheck import ssd_oracle
 from methods.ssd import SSD, SSDParams, saguaro
 
 GREEDY = SamplingConfig()
@@ -22,24 +23,6 @@ def _ssd(model, max_len=512, **params):
     target = TargetRuntime(model, max_len=max_len)
     head = EagleHead(EagleConfig(ttt=3, num_layers=model.config.num_hidden_layers), target).eval()
     return target, SSD(target, SSDParams(ttt=3, **params), set(), head=head)
-
-
-class Oracle(SSD):
-    """Drafts (and guesses) the greedy reference token first with probability `hit_rate` per row."""
-
-    def __init__(self, inner: SSD, reference: dict[int, int], hit_rate: float):
-        self.__dict__.update(inner.__dict__)
-        self.reference, self.hit_rate = reference, hit_rate
-        self.rng = torch.Generator().manual_seed(0)
-
-    def _logits(self, states, positions):
-        logits = super()._logits(states, positions).clone()
-        for row, position in enumerate(positions):
-            right = self.reference.get(position)
-            if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
-                logits[row] = -10.0
-                logits[row, right] = 10.0
-        return logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
@@ -52,7 +35,7 @@ def test_greedy_output_is_token_identical_to_ar_through_hits_misses_and_fallback
     hits = misses = 0
     for prompt in ([7], [3, 4], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = Oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
+        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
         generation = oracle.generate(prompt, 24, Sampler(GREEDY))
         assert generation.output_ids == reference
         assert sum(generation.accepted) == len(reference) - 1 and generation.steps == len(generation.stats["hits"])
@@ -73,7 +56,7 @@ def test_a_cache_hit_skips_drafting_and_counts_in_the_modeled_time():
     model = tiny_model("llama")
     target, method = _ssd(model, k=3, fan_out=2)
     reference = build_method("autoregressive", target, {}, set()).generate([5, 6], 20, Sampler(GREEDY)).output_ids
-    generation = Oracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0).generate([5, 6], 20, Sampler(GREEDY))
+    generation = ssd_oracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0).generate([5, 6], 20, Sampler(GREEDY))
     timing = generation.timing
     assert generation.stats["fallback_drafts"] == 1  # the first round only
     assert 0 < timing["modeled"] < timing["decode"]  # drafting hidden behind verification, not added to it
@@ -86,7 +69,7 @@ def test_the_replay_equals_execution_at_t0_and_refuses_t1():
     ar = build_method("autoregressive", target, {}, set())
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = Oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
         executed = oracle.generate(prompt, 24, Sampler(GREEDY))
         oracle.rng.manual_seed(0)
         simulated = oracle.simulate(prompt, reference, 24, Sampler(GREEDY))
@@ -228,13 +211,6 @@ def test_a_draft_model_must_share_the_target_vocabulary(tmp_path):
 
 
 # --- the drafter in a rank of its own (--executor distributed) -------------------------------------------------------
-class SharedOracle(Oracle):
-    """The oracle on the drafter's rank: its reference, hit rate and random stream travel with the plan."""
-
-    def drafter_state(self) -> dict:
-        return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}
-
-
 def _saved_ssd(tmp_path, model, **params):
     """A tiny target saved as an HF folder and a random EAGLE-3 head saved as its checkpoint, loaded as SSD."""
     from harness import checkpoints
@@ -264,8 +240,8 @@ def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, ar
     prompt = list(range(10, 19))
     reference = build_method("autoregressive", target, {}, set()).generate(prompt, 24, Sampler(GREEDY)).output_ids
     by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
-    local = SharedOracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
-    remote = SharedOracle(method, by_position, 0.7)
+    local = ssd_oracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
+    remote = ssd_oracle(method, by_position, 0.7)
     with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
         executor = remote.distribute(group, "float32")
         generation = remote.generate(prompt, 24, Sampler(GREEDY))
