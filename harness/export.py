@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from harness.errors import HarnessError
+from harness.paths import check_out_path
 
 FORMATS = ("spec-bench", "reference")
 
@@ -167,7 +168,7 @@ def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
         groups[_file_name(row)].append(row)
     if not groups:
         raise HarnessError(f"no records to export as {fmt} (reference: pipeline runs only); run `spd-bench run` first")
-    check_folder(out)
+    check_out_path(out, folder=True)
     questions = _questions(rows) if fmt == "reference" else {}
     files = {}
     for name, group in sorted(groups.items()):
@@ -176,16 +177,6 @@ def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
                  for i, r in enumerate(group)]
         files[f"{name}{'__per_sample' if fmt == 'reference' else ''}.jsonl"] = lines
     return _write_all(out, files), skipped
-
-
-def check_folder(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise HarnessError(f"--out {out} is a file; pass a folder for the exported files")
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise HarnessError(f"--out {out} lies under the file {parent}; pass a folder path")
 
 
 def _write_all(out: Path, files: dict[str, list[dict]]) -> list[Path]:

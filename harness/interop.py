@@ -27,6 +27,7 @@ import torch
 
 from harness import checkpoints
 from harness.errors import HarnessError
+from harness.paths import check_out_path
 from harness.target import TargetRuntime
 
 VERSION = 11
@@ -309,16 +310,10 @@ EAGLE3_FILES = ("config.json", "model.safetensors")  # all that export_eagle3 wr
 def check_export_target(out: Path, replace: bool) -> None:
     """The folder to write: new or empty; with `replace`, one whose files of ours get replaced (nothing else in it
     is touched)."""
-    if out.exists() and not out.is_dir():
-        raise HarnessError(f"--out {out} is a file; pass a folder for the EAGLE-3 head")
+    check_out_path(out, folder=True)
     if out.is_dir() and any(out.iterdir()) and not replace:
         raise HarnessError(f"--out {out} is not empty; pass an empty or new folder, or --replace to overwrite its "
                            f"{' and '.join(EAGLE3_FILES)}")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise HarnessError(f"--out {out} lies under the file {parent}; pass a folder path")
 
 
 def export_eagle3(checkpoint: Path, out: Path, text_config, replace: bool = False) -> Path:

@@ -116,11 +116,16 @@ class StageGroup:
     def start(self, plan) -> None:
         """Hand every served rank `plan` (whose `server(rank, device, wire)` says what the rank runs), wait until each
         has built it, then form the process group."""
-        self.store.set("plan", pickle.dumps(plan))
-        self._wait_until_ready()
-        self.store.set("go", b"1")
-        dist.init_process_group(self.backend, store=dist.PrefixStore("group", self.store), rank=0,
-                                world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
+        try:
+            self.store.set("plan", pickle.dumps(plan))
+            self._wait_until_ready()
+            self.store.set("go", b"1")
+            dist.init_process_group(self.backend, store=dist.PrefixStore("group", self.store), rank=0,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
+        except (RuntimeError, dist.DistError) as exc:  # the store's host or a rank went away mid-start
+            reason = self._rank_failure() or _one_line(exc)
+            raise HarnessError(f"distributed run: the ranks did not form a group ({reason}); nothing was "
+                               f"decoded") from None
         self.started = True
 
     def _wait_until_ready(self) -> None:

@@ -12,3 +12,19 @@ def cache_dir() -> Path:
         path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spd-bench"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def check_out_path(out: Path, folder: bool) -> None:
+    """`--out` can be written as a folder (`folder`) or as a file: it is not the other kind, and the nearest part of
+    it that exists is a folder (not a file it would have to lie under). One line naming the fix otherwise."""
+    from harness.errors import HarnessError
+
+    if folder and out.exists() and not out.is_dir():
+        raise HarnessError(f"--out {out} is a file; pass a folder path")
+    if not folder and out.is_dir():
+        raise HarnessError(f"--out {out} is a folder; pass a file path such as {out / 'results.md'}")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if existing != out and not existing.is_dir():
+        raise HarnessError(f"--out {out} lies under the file {existing}; pass a path in a folder")

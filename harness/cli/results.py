@@ -37,10 +37,11 @@ def report(results, fmt, out, summary):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
     from harness.metrics import summarize
     from harness.report import RENDERERS, markdown_summary, render_figures
+    from harness.paths import check_out_path
     from harness.results import load_training
 
     if out is not None:
-        _check_report_path(out)
+        check_out_path(out, folder=False)
     rows = _records(results)
     if not rows:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
@@ -63,17 +64,6 @@ def report(results, fmt, out, summary):
     click.echo(f"report: {out}")
 
 
-def _check_report_path(out: Path) -> None:
-    """--out names a file to write: not a folder, not under a file."""
-    if out.is_dir():
-        raise HarnessError(f"--out {out} is a folder; pass a file path such as {out / 'results.md'}")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise HarnessError(f"--out {out} lies under the file {parent}; pass a path in a folder")
-
-
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(["spec-bench", "reference"]), required=True,
               help="spec-bench: Spec-Bench answer files; reference: the reference code's per-sample JSONL (pipeline).")
@@ -82,10 +72,10 @@ def _check_report_path(out: Path) -> None:
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
 def export(fmt, results, out):
     """Our records in another tool's format, one file per configuration."""
-    from harness.export import check_folder
     from harness.export import export as write
+    from harness.paths import check_out_path
 
-    check_folder(out)  # before the records are read
+    check_out_path(out, folder=True)  # before the records are read
     written, skipped = write(_records(results), fmt, out)
     click.echo(f"{len(written)} files in {out}" + (f" ({skipped} records have no {fmt} form)" if skipped else ""))
 
