@@ -218,8 +218,8 @@ def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if config.get(name) is not None:
             _integer(folder / "config.json", name, config[name])
     if config.get("eagle_aux_hidden_state_layer_ids") is not None:
-        config["eagle_aux_hidden_state_layer_ids"] = _integers(folder / "config.json", "eagle_aux_hidden_state_layer_ids",
-                                                               config["eagle_aux_hidden_state_layer_ids"])
+        name = "eagle_aux_hidden_state_layer_ids"
+        config[name] = _integers(folder / "config.json", name, config[name])
     try:
         if (folder / "model.safetensors").is_file():
             weights = load_file(str(folder / "model.safetensors"))
@@ -235,7 +235,7 @@ def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise HarnessError(f"{folder}: the weights file holds a {type(weights).__name__}, not a state dict")
     check_weights(folder, weights, exempt=("d2t", "t2d"))
     if "d2t" in weights:
-        _integers(folder, "d2t", weights["d2t"], signed=True)  # target id = draft id + d2t: whole numbers, one per draft id
+        _integers(folder, "d2t", weights["d2t"], signed=True)  # target id = draft id + d2t: one whole number each
     return config, weights
 
 

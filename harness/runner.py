@@ -259,7 +259,8 @@ class Runner:
     def _reused_note(self, samples: list[Sample], todo: list[Sample], store: ResultStore) -> str:
         """Which samples this run keeps from earlier records instead of measuring them, and from which code."""
         wanted = {(s.dataset, str(s.question_id)) for s in samples} - {(s.dataset, str(s.question_id)) for s in todo}
-        kept = [r for r in store.load() if r["config_key"] == self.key and (r["dataset"], str(r["question_id"])) in wanted]
+        kept = [r for r in store.load()
+                if r["config_key"] == self.key and (r["dataset"], str(r["question_id"])) in wanted]
         commits = sorted({(r.get("versions") or {}).get("commit") or "unknown" for r in kept})
         return (f"{self.config.method}: {len(wanted)} of {len(samples)} samples already recorded in {store.path} "
                 f"(commit {', '.join(c[:10] for c in commits)}; this code: "

@@ -18,6 +18,7 @@ import torch
 
 from harness.errors import HarnessError
 from harness.target import TargetRuntime
+from methods.ssd import SSD
 
 TIE = 0.05  # logits: bf16 carries about 3 significant digits, random-init logits are O(1)
 
@@ -90,41 +91,35 @@ def _oracle_class(reference: dict[int, int], hit_rate: float):
     return Oracle
 
 
-def ssd_oracle(inner, reference: dict[int, int], hit_rate: float):
-    """`inner` (an SSD) drafting, and guessing, the greedy reference token first with probability `hit_rate` per
+class SSDOracle(SSD):
+    """An SSD (`inner`) drafting, and guessing, the greedy reference token first with probability `hit_rate` per
     row, so cache hits and misses both occur with a random head; its state travels to a drafter rank with the plan."""
-    from methods.ssd import SSD
 
-    class Oracle(SSD):
-        def __init__(self):
-            self.__dict__.update(inner.__dict__)
-            self.reference, self.hit_rate = reference, hit_rate
-            self.rng = torch.Generator().manual_seed(0)
+    def __init__(self, inner: SSD, reference: dict[int, int], hit_rate: float):
+        self.__dict__.update(inner.__dict__)
+        self.reference, self.hit_rate = reference, hit_rate
+        self.rng = torch.Generator().manual_seed(0)
 
-        def _logits(self, states, positions):
-            logits = super()._logits(states, positions).clone()
-            for row, position in enumerate(positions):
-                right = self.reference.get(position)
-                if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
-                    logits[row] = -10.0
-                    logits[row, right] = 10.0
-            return logits
+    def _logits(self, states, positions):
+        logits = super()._logits(states, positions).clone()
+        for row, position in enumerate(positions):
+            right = self.reference.get(position)
+            if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
+                logits[row] = -10.0
+                logits[row, right] = 10.0
+        return logits
 
-        def drafter_state(self) -> dict:
-            return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}
-
-    return Oracle()
+    def drafter_state(self) -> dict:
+        return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}
 
 
 def _with_oracle(method, prompt: list[int], reference: list[int]):
     """The method with a drafter that proposes AR's next token 70% of the time (pipeline engines, SSD)."""
-    from methods.ssd import SSD
-
     by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
     if hasattr(method, "engine"):
         method.engine.drafter_class = _oracle_class(by_position, 0.7)
     if isinstance(method, SSD):
-        return ssd_oracle(method, by_position, 0.7)
+        return SSDOracle(method, by_position, 0.7)
     return method
 
 
@@ -135,7 +130,7 @@ def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     from methods.ppsd import PPSD
     from methods.spd import SPD
     from methods.speculator import Speculator, SpeculatorConfig
-    from methods.ssd import SSD, SSDParams
+    from methods.ssd import SSDParams
 
     found = []
     widths = (1, 4)
@@ -228,7 +223,7 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
     from methods.sampling import Sampler, SamplingConfig
     from methods.spd import SPD
     from methods.speculator import Speculator, SpeculatorConfig
-    from methods.ssd import SSD, SSDParams
+    from methods.ssd import SSDParams
 
     dtype_name = str(dtype).removeprefix("torch.")
     checks = []
@@ -256,7 +251,8 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
                     elif oracle is not method:
                         oracle.remote = executor
                     with torch.inference_mode():
-                        identical += oracle.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids == reference
+                        output = oracle.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids
+                    identical += output == reference
                 executor.close()
             checks.append(Check("tiny qwen3_5", f"{label} distributed ({group.backend})", len(prompts), identical, 0,
                                 0.0, 0.0))

@@ -296,7 +296,7 @@ def test_records_name_their_code_and_a_rerun_and_the_report_say_what_is_old(tiny
     assert code == 0 and "1 of 1 samples already recorded in" in output and "kept, not measured again" in output
     out.write_text(json.dumps({**row, "versions": {**row["versions"], "commit": "0" * 40}}) + "\n")
     code, output = _run("report", "--results", str(out))
-    assert code == 0 and f"1 of 1 records were made at another commit than this checkout's" in output
+    assert code == 0 and "1 of 1 records were made at another commit than this checkout's" in output
 
 
 def test_report_and_export_into_a_folder_or_under_a_file_are_one_line_and_leave_nothing(tiny_dir, eval_dir, tmp_path,
@@ -326,7 +326,8 @@ def test_a_model_folder_with_a_broken_config_is_one_line(tiny_dir, eval_dir, tmp
     shutil.copytree(tiny_dir, broken)
     (broken / "config.json").write_text(config)
     out = tmp_path / "r.jsonl"
-    for option in (["--model", str(broken)], ["--method", "ssd", "--draft-model", str(broken), "--model", str(tiny_dir)]):
+    for option in (["--model", str(broken)],
+                   ["--method", "ssd", "--draft-model", str(broken), "--model", str(tiny_dir)]):
         result = CliRunner().invoke(main, ["run", *option, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens",
                                            "4", "--data-dir", str(eval_dir), "--out", str(out)])
         assert result.exit_code == 2, result.output

@@ -420,8 +420,8 @@ def test_export_head_never_deletes_what_it_did_not_write_and_refuses_files_with_
     loaded = load_model(str(tiny_dir), "cpu", "float32")
     target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
     head = checkpoints.drafter_dir(loaded.identity, "eagle3", "ttt7-eagle3")
-    checkpoints.save(head, EagleHead(EagleConfig(num_layers=4, layout="eagle3"), target),
-                     {"eagle": EagleConfig(num_layers=4, layout="eagle3").to_dict(), "target": loaded.identity.to_dict()})
+    config = EagleConfig(num_layers=4, layout="eagle3")
+    checkpoints.save(head, EagleHead(config, target), {"eagle": config.to_dict(), "target": loaded.identity.to_dict()})
     export = ["export-head", "--model", str(tiny_dir), "--out"]
     busy = tmp_path / "busy"
     busy.mkdir()

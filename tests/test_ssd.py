@@ -13,7 +13,7 @@ from methods.base import Timer, build_method, parse_params
 from methods.eagle3 import EAGLE3, EagleParams
 from methods.eagle_head import EagleConfig, EagleHead
 from methods.sampling import Sampler, SamplingConfig
-from harness.selfcheck import ssd_oracle
+from harness.selfcheck import SSDOracle
 from methods.ssd import SSD, SSDParams, saguaro
 
 GREEDY = SamplingConfig()
@@ -35,7 +35,7 @@ def test_greedy_output_is_token_identical_to_ar_through_hits_misses_and_fallback
     hits = misses = 0
     for prompt in ([7], [3, 4], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
+        oracle = SSDOracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
         generation = oracle.generate(prompt, 24, Sampler(GREEDY))
         assert generation.output_ids == reference
         assert sum(generation.accepted) == len(reference) - 1 and generation.steps == len(generation.stats["hits"])
@@ -56,7 +56,8 @@ def test_a_cache_hit_skips_drafting_and_counts_in_the_modeled_time():
     model = tiny_model("llama")
     target, method = _ssd(model, k=3, fan_out=2)
     reference = build_method("autoregressive", target, {}, set()).generate([5, 6], 20, Sampler(GREEDY)).output_ids
-    generation = ssd_oracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0).generate([5, 6], 20, Sampler(GREEDY))
+    oracle = SSDOracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0)
+    generation = oracle.generate([5, 6], 20, Sampler(GREEDY))
     timing = generation.timing
     assert generation.stats["fallback_drafts"] == 1  # the first round only
     assert 0 < timing["modeled"] < timing["decode"]  # drafting hidden behind verification, not added to it
@@ -69,7 +70,7 @@ def test_the_replay_equals_execution_at_t0_and_refuses_t1():
     ar = build_method("autoregressive", target, {}, set())
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+        oracle = SSDOracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
         executed = oracle.generate(prompt, 24, Sampler(GREEDY))
         oracle.rng.manual_seed(0)
         simulated = oracle.simulate(prompt, reference, 24, Sampler(GREEDY))
@@ -240,8 +241,8 @@ def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, ar
     prompt = list(range(10, 19))
     reference = build_method("autoregressive", target, {}, set()).generate(prompt, 24, Sampler(GREEDY)).output_ids
     by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
-    local = ssd_oracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
-    remote = ssd_oracle(method, by_position, 0.7)
+    local = SSDOracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
+    remote = SSDOracle(method, by_position, 0.7)
     with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
         executor = remote.distribute(group, "float32")
         generation = remote.generate(prompt, 24, Sampler(GREEDY))
