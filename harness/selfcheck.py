@@ -13,6 +13,7 @@ from __future__ import annotations
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -227,7 +228,8 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
 
     dtype_name = str(dtype).removeprefix("torch.")
     checks = []
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder, head = f"{scratch}/target", Path(scratch) / "ssd-head"
         build_model("qwen3_5", "tiny", "cpu", dtype).save_pretrained(folder)
         loaded = load_model(folder, device, dtype_name, tokenizer=False)
         target = TargetRuntime(loaded.model, max_len=max(map(len, prompts)) + new_tokens + 64, identity=loaded.identity)
@@ -237,10 +239,9 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
         speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=target.num_layers), target).eval()
         spd = SPD(target, SPD.Params(n=2, ls=1), set(), speculator=speculator)
         head_config = EagleConfig(ttt=3, num_layers=target.num_layers, target=loaded.identity.to_dict())
-        head = f"{folder}/ssd-head"
         checkpoints.save(head, EagleHead(head_config, target).eval(),
                          {"eagle": head_config.to_dict(), "target": head_config.target, "method": "eagle3"})
-        ssd = SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), checkpoint=head)
+        ssd = SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), checkpoint=str(head))
         for label, method, ranks in (("spd n=2", spd, 2), ("ssd k=3 fan_out=2", ssd, 1)):
             identical = 0
             with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
