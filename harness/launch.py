@@ -149,14 +149,17 @@ class StageGroup:
             time.sleep(0.1)
 
     def _rank_failure(self) -> str | None:
-        """A served rank's own one-line reason, or the exit of a spawned rank that left none."""
+        """Why the group failed, root cause first: a spawned rank killed by a signal (the others' errors then follow
+        from it), a served rank's own one-line reason, or the exit of a spawned rank that left none."""
+        exits = {rank: p.exitcode for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None}
+        for rank, code in exits.items():
+            if code < 0:
+                return f"rank {rank} ({self.devices[rank - 1]}) exited (signal {-code})"
         for rank in range(1, self.world_size):
             if self.store.check([f"error/{rank}"]):
                 return f"rank {rank} ({self.devices[rank - 1]}) failed: {self.store.get(f'error/{rank}').decode()}"
-        for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode is not None:
-                how = f"signal {-process.exitcode}" if process.exitcode < 0 else f"exit code {process.exitcode}"
-                return f"rank {rank} ({self.devices[rank - 1]}) exited ({how})"
+        for rank, code in exits.items():
+            return f"rank {rank} ({self.devices[rank - 1]}) exited (exit code {code})"
         return None
 
     def guarded(self, action: Callable, role: str):
