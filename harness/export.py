@@ -105,7 +105,7 @@ def reference_sample(row: dict, index: int, question: str | None) -> dict:
         "equivalent_accept_length": n * _ratio(tokens, steps),
         "n_accepted": sum(row["position_accepts"]) + 1,  # the prefill token is an accepted flag there
         "n_acceptance_flags": sum(stats.get("fill_drafts", [])) + 1,
-        "theoretical_std_time_sec": float(tokens) if tokens else 0.0,
+        "theoretical_std_time_sec": float(tokens),
         "theoretical_pipe_time_sec": pipe_time if tokens else 0.0,
         "theoretical_std_tok_s": 1.0 if tokens else 0.0,
         "theoretical_pipe_tok_s": tokens / pipe_time if tokens else 0.0,

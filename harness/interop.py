@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from harness import checkpoints
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.paths import check_out_path
 from harness.target import TargetRuntime
 
@@ -46,12 +46,7 @@ def load_weights_only(path: Path, what: str):
         raise HarnessError(f"{path} is not a readable {what} (not a torch file of plain tensors); pass a valid "
                            f"file") from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise HarnessError(f"{path} is not a readable {what} ({_first_line(exc)}); pass a valid file") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:160]
+        raise HarnessError(f"{path} is not a readable {what} ({first_line(exc, 160)}); pass a valid file") from None
 
 
 def _integer(path: Path, name: str, value, low: int = 1) -> int:
@@ -176,7 +171,8 @@ def import_spd(path: Path, target: TargetRuntime, force: bool = False, expect: t
         detail = " ".join(str(exc).split())[:300]
         raise HarnessError(f"{path} does not fit a v11 head of n={n}, Ls={ls} for this target ({detail})") from None
     return _save_imported(module, "spd", f"n{n}-ls{ls}-input", {"speculator": spec_config.to_dict()}, target, path,
-                          force, {"format": f"reference v{VERSION}", "base_model_path": config.get("base_model_path")})
+                          force, {"format": f"reference v{VERSION}", "base_model_path": config.get("base_model_path")},
+                          f"spd-bench import --spd {path} --force")
 
 
 def _sha256(path: Path) -> str:
@@ -230,7 +226,7 @@ def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     except HarnessError:
         raise
     except Exception as exc:  # safetensors and torch.load each have their own error types for damaged files
-        raise HarnessError(f"{folder}: the weights are not readable ({_first_line(exc)}); restore them") from None
+        raise HarnessError(f"{folder}: the weights are not readable ({first_line(exc, 160)}); restore them") from None
     if not isinstance(weights, dict):
         raise HarnessError(f"{folder}: the weights file holds a {type(weights).__name__}, not a state dict")
     check_weights(folder, weights, exempt=("d2t", "t2d"))
@@ -301,7 +297,8 @@ def import_eagle3(folder: Path, target: TargetRuntime, ttt: int = 7, force: bool
         raise HarnessError(f"{folder} does not fit an EAGLE-3 head for this target "
                            f"({' '.join(str(exc).split())[:300]})") from None
     return _save_imported(head, "eagle3", EagleParams(ttt=ttt, layout="eagle3").tag,
-                          {"eagle": head_config.to_dict()}, target, folder, force, {"format": "EAGLE-3 folder"})
+                          {"eagle": head_config.to_dict()}, target, folder, force, {"format": "EAGLE-3 folder"},
+                          f"spd-bench import --eagle3 {folder} --force")
 
 
 EAGLE3_FILES = ("config.json", "model.safetensors")  # all that export_eagle3 writes
@@ -375,16 +372,16 @@ def _umask() -> int:
 
 
 def _save_imported(module, method: str, tag: str, section: dict, target: TargetRuntime, source: Path,
-                   force: bool, about: dict) -> Path:
-    """Write an imported drafter to the cache with where it came from; never silently over another drafter."""
+                   force: bool, about: dict, replace_with: str) -> Path:
+    """Write an imported drafter to the cache with where it came from; never silently over another drafter
+    (`replace_with`: the command that does replace it)."""
     identity = target.identity.to_dict() if target.identity else {}
     folder = checkpoints.drafter_dir(target.identity, method, tag)
     digest = _sha256(source) if source.is_file() else _folder_sha256(source)
     if (folder / checkpoints.CONFIG).exists() and not force:
         if checkpoints.load_config(folder).get("source", {}).get("sha256") != digest:
-            raise HarnessError(f"{folder} already holds another drafter; replace it with `spd-bench import "
-                               f"--{'spd' if method == 'spd' else 'eagle3'} {source} --force`, or pass that folder "
-                               f"as --checkpoint")
+            raise HarnessError(f"{folder} already holds another drafter; replace it with `{replace_with}`, or pass "
+                               f"that folder as --checkpoint")
     checkpoints.save(folder, module, {**section, "target": identity, "method": method,
                                       "source": {"file": source.name, "sha256": digest, **about}})
     return folder

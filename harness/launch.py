@@ -16,6 +16,7 @@ or stops answering mid-run ends the run with one line.
 
 from __future__ import annotations
 
+import io
 import math
 import multiprocessing
 import os
@@ -32,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 
 EXECUTORS = ("local", "distributed")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -84,9 +85,25 @@ def backend_for(driver_device: str, devices: list[str]) -> str:
     return "nccl" if all(d.startswith("cuda") for d in ranks) and len(set(ranks)) == len(ranks) else "gloo"
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+class PlanUnpickler(pickle.Unpickler):
+    """Reads the plan a served rank gets from the group's store: a dataclass of this harness with plain values,
+    tensors and generators. Only classes and functions defined in harness/ or methods/ and torch's tensor rebuilders
+    are built, and tensor storage is read weights-only, so nothing else in the bytes can run code."""
+
+    OURS = ("harness", "methods")
+    TORCH = {("collections", "OrderedDict"), ("torch", "device"), ("torch", "Size"), ("torch._C", "Generator"),
+             ("torch._utils", "_rebuild_tensor_v2")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if (module, name) in self.TORCH:
+            return super().find_class(module, name)
+        if module.split(".")[0] in self.OURS and "." not in name:
+            found = super().find_class(module, name)
+            if getattr(found, "__module__", "").split(".")[0] in self.OURS:  # defined here, not merely imported
+                return found
+        raise pickle.UnpicklingError(f"the plan names {module}.{name}, which a served rank does not build")
 
 
 # --- the driver's side ----------------------------------------------------------------------------------------------
@@ -123,7 +140,7 @@ class StageGroup:
             dist.init_process_group(self.backend, store=dist.PrefixStore("group", self.store), rank=0,
                                     world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
         except (RuntimeError, dist.DistError) as exc:  # the store's host or a rank went away mid-start
-            reason = self._rank_failure() or _one_line(exc)
+            reason = self._rank_failure() or first_line(exc)
             raise HarnessError(f"distributed run: the ranks did not form a group ({reason}); nothing was "
                                f"decoded") from None
         self.started = True
@@ -158,7 +175,8 @@ class StageGroup:
         for rank in range(1, self.world_size):
             if self.store.check([f"error/{rank}"]):
                 return f"rank {rank} ({self.devices[rank - 1]}) failed: {self.store.get(f'error/{rank}').decode()}"
-        for rank, code in exits.items():
+        if exits:
+            rank, code = next(iter(exits.items()))
             return f"rank {rank} ({self.devices[rank - 1]}) exited (exit code {code})"
         return None
 
@@ -168,7 +186,7 @@ class StageGroup:
             return action()
         except (RuntimeError, dist.DistError) as exc:
             time.sleep(0.2)  # a dying rank's reason reaches the store a moment after its socket closes
-            reason = self._rank_failure() or _one_line(exc)
+            reason = self._rank_failure() or first_line(exc)
             raise HarnessError(f"distributed run: a {role} rank stopped answering ({reason}); the run deadline is "
                                f"--timeout {self.timeout_s:g} s") from None
 
@@ -179,7 +197,7 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
     on exit, however it is left, the group is torn down and no spawned process outlives it."""
     check_deadline("--timeout", timeout_s)
     check_deadline("--join-timeout", join_timeout_s)
-    world = len(devices) + 1
+    world, backend = len(devices) + 1, backend_for(driver_device, devices)
     processes = []
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
@@ -192,13 +210,13 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
         context = multiprocessing.get_context("spawn")
         for rank in range(1, world):
             process = context.Process(target=_spawned, daemon=True, name=f"spd-rank-{rank}",
-                                      args=(rank, devices[rank - 1], backend_for(driver_device, devices), store.port,
+                                      args=(rank, devices[rank - 1], backend, store.port,
                                             world, timeout_s, join_timeout_s, os.getpid()))
             process.start()
             processes.append(process)
     if driver_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(driver_device))
-    group = StageGroup(model=model, devices=devices, backend=backend_for(driver_device, devices), timeout_s=timeout_s,
+    group = StageGroup(model=model, devices=devices, backend=backend, timeout_s=timeout_s,
                        join_timeout_s=join_timeout_s, store=dist.PrefixStore(PREFIX, store), processes=processes)
     finished = False
     try:
@@ -229,7 +247,7 @@ def _torchrun_store(rank: int, join_timeout_s: float) -> dist.Store:
     except (RuntimeError, ValueError, dist.DistError) as exc:
         raise HarnessError(f"torchrun rank {rank} could not reach the group's store at {os.environ['MASTER_ADDR']}:"
                            f"{os.environ['MASTER_PORT']} within the join deadline (--join-timeout "
-                           f"{join_timeout_s:g} s): {_one_line(exc)}") from None
+                           f"{join_timeout_s:g} s): {first_line(exc)}") from None
     return store
 
 
@@ -257,7 +275,7 @@ def _serve(rank: int, device: str, backend: str, connect: Callable[[], dist.Stor
         else:
             torch.set_num_threads(1)  # one core per served rank on a CPU host
         try:
-            plan = pickle.loads(store.get("plan"))
+            plan = PlanUnpickler(io.BytesIO(store.get("plan"))).load()
         except dist.DistError:
             raise HarnessError(f"the driver sent no plan within the join deadline (--join-timeout "
                                f"{join_timeout_s:g} s)") from None
@@ -269,7 +287,7 @@ def _serve(rank: int, device: str, backend: str, connect: Callable[[], dist.Stor
                                 timeout=timedelta(seconds=timeout_s))
         server.serve()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure in one line and leaves
-        line = _one_line(exc)
+        line = first_line(exc)
         if store is not None:
             try:
                 store.set(f"error/{rank}", line.encode())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.paths import cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -201,8 +201,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokeniz
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
         loaded_tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer else None
     except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged or foreign config.json, tokenizer files
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HarnessError(f"model {spec!r} ({folder}) does not load as a causal LM ({first[:200]}); fix its "
+        raise HarnessError(f"model {spec!r} ({folder}) does not load as a causal LM ({first_line(exc)}); fix its "
                            f"config.json and tokenizer files or pass another model") from None
     model.to(torch_device).eval()
     return LoadedModel(model=model, tokenizer=loaded_tokenizer, identity=identity, device=torch_device,

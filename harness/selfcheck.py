@@ -244,17 +244,14 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
         ssd = SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), checkpoint=str(head))
         for label, method, ranks in (("spd n=2", spd, 2), ("ssd k=3 fan_out=2", ssd, 1)):
             identical = 0
-            with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
-                for index, (prompt, reference) in enumerate(zip(prompts, references)):
+            for prompt, reference in zip(prompts, references):  # a group per prompt: SSD's oracle travels in the plan
+                with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
                     oracle = _with_oracle(method, prompt, reference)
-                    if index == 0:  # SSD's oracle holds this prompt's reference: it goes with the drafter's plan
-                        executor = oracle.distribute(group, dtype_name)
-                    elif oracle is not method:
-                        oracle.remote = executor
+                    executor = oracle.distribute(group, dtype_name)
                     with torch.inference_mode():
                         output = oracle.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids
-                    identical += output == reference
-                executor.close()
+                    executor.close()
+                identical += output == reference
             checks.append(Check("tiny qwen3_5", f"{label} distributed ({group.backend})", len(prompts), identical, 0,
                                 0.0, 0.0))
     return checks

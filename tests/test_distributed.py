@@ -26,6 +26,7 @@ from harness.target import TargetRuntime
 from methods.base import build_method
 from methods.sampling import Sampler, SamplingConfig
 from methods.spd import SPD
+from methods.ssd import SSD
 from methods.speculator import Speculator, SpeculatorConfig
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
@@ -111,37 +112,63 @@ def test_a_group_of_the_wrong_size_is_refused_before_any_rank_is_waited_for(tmp_
     assert not multiprocessing.active_children()
 
 
-def test_a_rank_that_exits_while_starting_ends_the_wait_at_once_with_its_exit(tmp_path):
+def _starting_fails(tmp_path, fault, message: str, model: str | None = None, join_timeout_s: float = 900) -> float:
+    """A two-stage group on a tiny Llama whose start fails as `fault(group)` makes it (or as `model`, the folder the
+    ranks load, makes it): `message` is the error, no process is left; returns the seconds the start took."""
     folder = _saved(tmp_path, "llama")
     _, remote = _spd(folder, 2, 1)
-    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=900) as group:
-        os.kill(group.processes[0].pid, signal.SIGKILL)
+    with launch.stage_group(model or folder, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=join_timeout_s) as group:
+        fault(group)
         start = time.monotonic()
-        with pytest.raises(HarnessError, match=r"rank 1 \(cpu\) exited \(signal 9\) while starting"):
+        with pytest.raises(HarnessError, match=message):
             remote.distribute(group, "float32")
-    assert time.monotonic() - start < 300  # far inside the 900 s join deadline
     assert not multiprocessing.active_children()
+    return time.monotonic() - start
+
+
+def test_a_rank_that_exits_while_starting_ends_the_wait_at_once_with_its_exit(tmp_path):
+    elapsed = _starting_fails(tmp_path, lambda group: os.kill(group.processes[0].pid, signal.SIGKILL),
+                              r"rank 1 \(cpu\) exited \(signal 9\) while starting")
+    assert elapsed < 300  # far inside the 900 s join deadline
 
 
 def test_a_rank_that_fails_while_loading_reports_its_own_reason_through_the_driver(tmp_path):
-    folder, other = _saved(tmp_path, "llama"), str(tmp_path / "other")
+    other = str(tmp_path / "other")
     tiny_model("llama", seed=7).save_pretrained(other)  # same shape, other weights: the ranks refuse to serve them
-    _, remote = _spd(folder, 2, 1)
-    with launch.stage_group(other, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=900) as group:
-        with pytest.raises(HarnessError, match=r"rank \d \(cpu\) failed: model .* has weights .* the driver's are"):
-            remote.distribute(group, "float32")
-    assert not multiprocessing.active_children()
+    _starting_fails(tmp_path, lambda group: None, r"rank \d \(cpu\) failed: model .* has weights .* the driver's are",
+                    model=other)
 
 
 def test_a_rank_that_hangs_while_starting_ends_the_run_on_the_join_deadline_naming_it(tmp_path):
-    folder = _saved(tmp_path, "llama")
-    _, remote = _spd(folder, 2, 1)
-    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=20, join_timeout_s=5) as group:
-        os.kill(group.processes[1].pid, signal.SIGSTOP)
-        with pytest.raises(HarnessError, match=r"rank\(s\) [\d, ]*2 did not finish starting within the join deadline "
-                                               r"\(--join-timeout 5 s\)"):
-            remote.distribute(group, "float32")
-    assert not multiprocessing.active_children()
+    _starting_fails(tmp_path, lambda group: os.kill(group.processes[1].pid, signal.SIGSTOP),
+                    r"rank\(s\) [\d, ]*2 did not finish starting within the join deadline \(--join-timeout 5 s\)",
+                    join_timeout_s=5)
+
+
+class _Runs:
+    """An object whose unpickling would call os.system: a plan must never be able to do that."""
+
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_a_served_rank_builds_only_plans_of_this_harness_from_the_store():
+    import io
+    import pickle
+
+    from methods.ssd import SSDParams
+    from methods.ssd_distributed import DrafterPlan
+
+    rng = torch.Generator().manual_seed(3)
+    plan = DrafterPlan("m", "float32", "0" * 64, SSDParams(k=2), None, 64, SSD,
+                       {"reference": {5: 7}, "rng": rng, "ids": torch.arange(4)})
+    read = launch.PlanUnpickler(io.BytesIO(pickle.dumps(plan))).load()
+    assert read.params == plan.params and read.method is SSD and torch.equal(read.state["ids"], torch.arange(4))
+    assert torch.equal(read.state["rng"].get_state(), rng.get_state())
+    imported_here = b"charness.provenance\nsubprocess\n."  # a module our code imports is not our code
+    for data in (pickle.dumps(_Runs()), pickle.dumps({"plan": _Runs()}), pickle.dumps(print), imported_here):
+        with pytest.raises(pickle.UnpicklingError, match="which a served rank does not build"):
+            launch.PlanUnpickler(io.BytesIO(data)).load()
 
 
 def test_rank_and_world_size_alone_are_not_torchrun(monkeypatch):
