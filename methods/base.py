@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from harness.errors import HarnessError
-from harness.target import TargetRuntime
+from harness.runtime.errors import HarnessError
+from harness.runtime.target import TargetRuntime
 from methods.sampling import Sampler
 
 
@@ -54,7 +54,7 @@ class NoParams:
 class Method(ABC):
     """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass) and implement `generate`; a family
     with its own speedup model overrides `theoretical_speedup` and `modeled_speedup` (they read a pooled summary:
-    harness/metrics.py's `Summary`, with tokens/step, the shape its generations recorded, counts and timings)."""
+    harness/reporting/metrics.py's `Summary`, with tokens/step, the shape its generations recorded, counts and timings)."""
 
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams

@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from harness.target import TargetRuntime
+from harness.runtime.target import TargetRuntime
 
 
 def module_layer_config(target_config, count: int, attention: str | None = None):

@@ -1,8 +1,8 @@
 """What each kind of drafter trains on: the module it builds and the predictions its training forward makes.
 
-The training loop (harness/train.py) is the same for all of them: it runs the teacher once per batch, asks every
+The training loop (harness/training/train.py) is the same for all of them: it runs the teacher once per batch, asks every
 drafter for its `Prediction`s and takes a weighted KL(target || drafter) step on each. A pipeline drafter (SPD,
-PPSD) makes one prediction per position from the grouped depth layout (methods/grouped_layout.py); an EAGLE-3 head
+PPSD) makes one prediction per position from the grouped depth layout (methods/pipeline/grouped_layout.py); an EAGLE-3 head
 makes one per training-time-test step, from its own states, with geometrically decaying weights.
 """
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from methods.base import Generation
-from methods.eagle3 import EagleParams
-from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
-from methods.eagle_replay import chain_accepts, replay_rounds
-from methods.grouped_layout import grouped_logits
-from methods.pipeline_replay import fill_state_accepts, replay_cycles
-from methods.speculator import Speculator, SpeculatorConfig
+from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
+from methods.eagle3.method import EagleParams
+from methods.eagle3.replay import chain_accepts, replay_rounds
+from methods.pipeline.grouped_layout import grouped_logits
+from methods.pipeline.replay import fill_state_accepts, replay_cycles
+from methods.pipeline.speculator import Speculator, SpeculatorConfig
 
 TTT_DECAY = 0.8  # loss weight of training-time-test step k is TTT_DECAY ** (k - 1)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.target import TargetRuntime
+from harness.runtime.target import TargetRuntime
 from methods.sampling import Sampler
 
 

@@ -15,7 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
-from harness.data import SHIPPED
+from harness.bench.data import SHIPPED
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +33,6 @@ def eval_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2 model converted to a cached HF folder (its tokenizer also serves tiny models)."""
-    from harness.models import EMBEDDED, embedded_folder
+    from harness.runtime.models import EMBEDDED, embedded_folder
 
     return embedded_folder(EMBEDDED["smollm2-135m"])

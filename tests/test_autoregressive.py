@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
-from harness.target import TargetRuntime
+from harness.runtime.target import TargetRuntime
 from methods.base import build_method
 from methods.sampling import Sampler, SamplingConfig
-from tiny_models import tiny_model
 
 
 def _ar(model, stop_ids=frozenset()):

@@ -114,7 +114,7 @@ def test_committed_records_keep_their_parameters_and_so_their_configuration_keys
 
 def test_a_parameter_set_away_from_its_default_is_recorded():
     from methods.base import recorded_params
-    from methods.eagle3 import EagleParams
+    from methods.eagle3.method import EagleParams
 
     assert recorded_params(EagleParams()) == {"m": 7, "width": 1, "ttt": 7}
     assert recorded_params(EagleParams(layout="eagle3"))["layout"] == "eagle3"

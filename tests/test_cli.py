@@ -5,9 +5,9 @@ import re
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import tiny_model
 
 from harness.cli import main
-from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ SPD_CONFIG = {"n": 2, "ls": 1, "num_layers": 4}
 ])
 def test_bad_checkpoints_exit_2_with_one_line_and_write_nothing(name, config, weights, method, message, tiny_dir,
                                                                eval_dir, tmp_path, cache):
-    from harness.models import load_identity
+    from harness.runtime.models import load_identity
 
     if isinstance(config, dict):
         config = {**config, "target": load_identity(str(tiny_dir)).to_dict()}
@@ -230,7 +230,7 @@ def test_a_turns_field_that_is_not_a_list_of_strings_names_file_and_line(tmp_pat
 
 def test_run_refuses_a_results_file_another_run_is_writing_and_never_trims_a_foreign_file(tiny_dir, eval_dir,
                                                                                            tmp_path, cache):
-    from harness.results import ResultStore
+    from harness.runtime.results import ResultStore
 
     args = ["run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
             "--data-dir", str(eval_dir)]
@@ -282,7 +282,7 @@ def test_a_folder_with_the_same_weights_and_another_stop_id_gets_its_own_greedy_
 
 
 def test_records_name_their_code_and_a_rerun_and_the_report_say_what_is_old(tiny_dir, eval_dir, tmp_path, cache):
-    from harness.provenance import code_identity
+    from harness.runtime.provenance import code_identity
 
     out = tmp_path / "r.jsonl"
     args = ["run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
@@ -338,8 +338,8 @@ def test_a_model_folder_with_a_broken_config_is_one_line(tiny_dir, eval_dir, tmp
 
 def test_an_error_mid_run_starts_a_line_of_its_own_after_the_progress_bar(tiny_dir, eval_dir, tmp_path, cache,
                                                                           monkeypatch):
-    from harness.errors import HarnessError
-    from harness.runner import Runner
+    from harness.bench.runner import Runner
+    from harness.runtime.errors import HarnessError
 
     calls = []
     real = Runner._generate_pair

@@ -3,9 +3,9 @@ with one clear line."""
 
 import pytest
 
-from harness import data
-from harness.data import load_samples, render_prompt
-from harness.errors import HarnessError
+from harness.bench import data
+from harness.bench.data import load_samples, render_prompt
+from harness.runtime.errors import HarnessError
 
 
 @pytest.mark.parametrize("name", ["mt_bench", "gsm8k", "humaneval"])

@@ -17,20 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
-from harness import launch
-from harness.cli import main
-from harness.errors import HarnessError
-from harness.models import load_model
-from harness.target import TargetRuntime
-from methods.base import build_method
-from methods.sampling import Sampler, SamplingConfig
-from methods.spd import SPD
-from methods.ssd import SSD
-from methods.speculator import Speculator, SpeculatorConfig
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
 from tiny_models import tiny_model
+
+from harness.cli import main
+from harness.runtime import distributed as launch
+from harness.runtime.errors import HarnessError
+from harness.runtime.models import load_model
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method
+from methods.pipeline.spd import SPD
+from methods.pipeline.speculator import Speculator, SpeculatorConfig
+from methods.sampling import Sampler, SamplingConfig
+from methods.ssd.method import SSD
 
 GREEDY = SamplingConfig()
 PROMPTS = ([7], list(range(10, 19)))
@@ -156,8 +156,8 @@ def test_a_served_rank_builds_only_plans_of_this_harness_from_the_store():
     import io
     import pickle
 
-    from methods.ssd import SSDParams
-    from methods.ssd_distributed import DrafterPlan
+    from methods.ssd.distributed import DrafterPlan
+    from methods.ssd.method import SSDParams
 
     rng = torch.Generator().manual_seed(3)
     plan = DrafterPlan("m", "float32", "0" * 64, SSDParams(k=2), None, 64, SSD,

@@ -7,11 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from harness.bench.data import load_samples, render_prompt
+from harness.bench.runner import stop_ids
 from harness.cli import main
-from harness.data import load_samples, render_prompt
-from harness.models import load_model
-from harness.runner import stop_ids
-from harness.target import TargetRuntime
+from harness.runtime.models import load_model
+from harness.runtime.target import TargetRuntime
 from methods.base import build_method
 from methods.sampling import Sampler, SamplingConfig
 
@@ -71,7 +71,7 @@ def test_the_gate_fails_when_the_drafter_reads_a_feature_from_the_wrong_depth(tm
     `check` exits 1."""
     from pathlib import Path
 
-    from methods.speculator import SpeculatorConfig
+    from methods.pipeline.speculator import SpeculatorConfig
 
     original = SpeculatorConfig.layers_for
 

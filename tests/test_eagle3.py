@@ -3,13 +3,14 @@ distribution at T=1, and the training-time-test forward equal to the rows the de
 
 import pytest
 import torch
-
-from harness.target import TargetRuntime
-from methods.base import build_method
-from methods.eagle3 import EAGLE3, EagleParams, Node, _Head
-from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
-from methods.sampling import Sampler, SamplingConfig
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
+
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method
+from methods.eagle3.head import EagleConfig, EagleHead, HeadSession, ttt_logits
+from methods.eagle3.method import EAGLE3, EagleParams
+from methods.rounds import Node
+from methods.sampling import Sampler, SamplingConfig
 
 GREEDY = SamplingConfig()
 
@@ -110,7 +111,7 @@ def test_training_time_test_equals_the_rows_the_decoder_drafts_with(arch):
     expected = ttt_logits(head, features, ids, 3)
     for t in (0, 4, 7):  # chain roots: the target verified tokens up to t + 1
         target_rows = {layer: h[:, : t + 1] for layer, h in features.items()}
-        state = _Head(head, 64)
+        state = HeadSession(head, 64)
         state.append(ids[0, 1 : t + 2].tolist(), target_rows, start=1)
         assert (head.head_logits(state.root)[0, 0] - expected[0][0, t]).abs().max() < 1e-4
         nodes = [Node(int(ids[0, t + 2]), -1, 1), Node(int(ids[0, t + 3]), 0, 2)]

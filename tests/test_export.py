@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.export import export
-from harness.metrics import summarize
+from harness.reporting.export import export
+from harness.reporting.metrics import summarize
+from harness.runtime.errors import HarnessError
 
 
 def _record(method, question_id, text, steps, tokens, decode_s, simulated=False):
@@ -97,7 +97,7 @@ def test_the_reference_aggregation_of_an_export_gives_the_figures_of_our_records
               "pipeline_ideal_decode_tok_s", "baseline_prefill_wall_sec", "baseline_decode_wall_sec",
               "baseline_new_tokens", "baseline_decode_tok_s", "speedup_vs_baseline", "ideal_speedup_vs_baseline"}
     assert fields <= set(samples[0])
-    from harness.data import load_samples
+    from harness.bench.data import load_samples
 
     prompts = {str(s.question_id): s.prompt for s in load_samples("gsm8k")}
     assert [s["question"] for s in samples] == [prompts["1"], prompts["2"]]  # the prompt text, from the shipped set

@@ -10,11 +10,11 @@ import torch
 from tiny_models import tiny_model
 from unrolled_reference import unrolled_logits
 
-from harness.target import TargetRuntime
-from methods import grouped_layout
-from methods.grouped_layout import grouped_logits
+from harness.runtime.target import TargetRuntime
 from methods.objectives import segment_starts
-from methods.speculator import Speculator, SpeculatorConfig
+from methods.pipeline import grouped_layout
+from methods.pipeline.grouped_layout import grouped_logits
+from methods.pipeline.speculator import Speculator, SpeculatorConfig
 
 
 @pytest.fixture(autouse=True, params=[grouped_layout.POSITION_BLOCK, 7], ids=["one-block", "blocks-of-7"])

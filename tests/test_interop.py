@@ -7,20 +7,20 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
-from harness.cli import main
-from harness.errors import HarnessError
-from harness.interop import import_spd
-from harness.models import ModelIdentity
-from harness.target import TargetRuntime
-from methods.base import build_method
-from methods.pipeline import Drafter
-from methods.pipeline_tree import Token
-from methods.sampling import Sampler, SamplingConfig
-from methods.spd import SPD
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
 from tiny_models import tiny_model
+
+from harness.bench.interop import import_spd
+from harness.cli import main
+from harness.runtime.errors import HarnessError
+from harness.runtime.models import ModelIdentity
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method
+from methods.pipeline.scheduler import Drafter
+from methods.pipeline.spd import SPD
+from methods.pipeline.tree import Token
+from methods.sampling import Sampler, SamplingConfig
 
 N, LS = 4, 2
 BOUNDS = [0, 3, 5, 7]  # 8-layer targets: depth d reaches index 2d, so depths 0..4 use projections 0,0,1,2,3
@@ -177,7 +177,7 @@ def test_files_that_are_not_heads_are_refused_without_unpickling(tmp_path, monke
 
 def test_run_takes_a_head_file_as_checkpoint(tiny_dir, eval_dir, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
-    from harness.models import load_model
+    from harness.runtime.models import load_model
 
     model = load_model(str(tiny_dir), "cpu", "float32").model
     saved = _v11(model)
@@ -282,9 +282,9 @@ def _eagle3_reference(model, weights, embeddings, fused_input):
 @pytest.mark.parametrize("arch, draft, binary", [("llama", None, False), ("qwen3", [2, 5, 9, 30, 77, 201], True)])
 def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_trips(tmp_path, monkeypatch, arch, draft,
                                                                                  binary):
-    from methods.eagle3 import EAGLE3, EagleParams
-    from methods.eagle_head import ConcatCache
-    from harness.interop import export_eagle3, import_eagle3
+    from harness.bench.interop import export_eagle3, import_eagle3
+    from methods.eagle3.head import ConcatCache
+    from methods.eagle3.method import EAGLE3, EagleParams
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     model, target = _target(arch)
@@ -323,7 +323,7 @@ def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_tri
 
 
 def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
-    from harness.interop import import_eagle3
+    from harness.bench.interop import import_eagle3
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     model, target = _target("llama")
@@ -354,7 +354,7 @@ def test_eagle3_weights_that_are_not_float_or_not_finite_or_ids_that_are_not_int
         tmp_path, monkeypatch, change, message):
     from safetensors.torch import load_file, save_file
 
-    from harness.interop import import_eagle3
+    from harness.bench.interop import import_eagle3
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     model, target = _target("llama")
@@ -368,15 +368,15 @@ def test_eagle3_weights_that_are_not_float_or_not_finite_or_ids_that_are_not_int
 
 
 def test_a_harness_layout_head_is_not_exported_and_eagle3_layout_heads_train(tmp_path):
-    from harness import checkpoints
-    from harness.interop import export_eagle3
-    from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
+    from harness.bench.interop import export_eagle3
+    from harness.runtime import checkpoints
+    from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
 
     model, target = _target("llama")
     checkpoints.save(tmp_path / "harness", EagleHead(EagleConfig(num_layers=8), target), {"eagle": {"layout": "harness"}})
     with pytest.raises(HarnessError, match="harness-layout head, which EAGLE-3 code cannot load"):
         export_eagle3(tmp_path / "harness", tmp_path / "out", model.config)
-    with torch.inference_mode(False), torch.enable_grad():  # as inside harness.train.train
+    with torch.inference_mode(False), torch.enable_grad():  # as inside harness.training.train.train
         head = EagleHead(EagleConfig(num_layers=8, layout="eagle3"), target).start_as_identity()
         features = {layer: torch.randn(2, 12, model.config.hidden_size) for layer in head.config.feature_layers}
         steps = ttt_logits(head, features, torch.randint(0, 256, (2, 12)), 3)
@@ -386,7 +386,7 @@ def test_a_harness_layout_head_is_not_exported_and_eagle3_layout_heads_train(tmp
 
 
 def test_eagle3_folders_through_the_cli_import_run_and_export(tiny_dir, eval_dir, tmp_path, monkeypatch):  # noqa: F811
-    from harness.models import load_model
+    from harness.runtime.models import load_model
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     model = load_model(str(tiny_dir), "cpu", "float32").model
@@ -412,9 +412,9 @@ def test_export_head_never_deletes_what_it_did_not_write_and_refuses_files_with_
     import os
     import stat
 
-    from harness import checkpoints
-    from harness.models import load_model
-    from methods.eagle_head import EagleConfig, EagleHead
+    from harness.runtime import checkpoints
+    from harness.runtime.models import load_model
+    from methods.eagle3.head import EagleConfig, EagleHead
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     loaded = load_model(str(tiny_dir), "cpu", "float32")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.metrics import OVERALL, summarize
+from harness.reporting.metrics import OVERALL, summarize
 
 
 def _row(dataset, new_tokens, steps, schedule="input", decode=1.0, baseline_decode=2.0, qid=0):

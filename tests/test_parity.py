@@ -6,11 +6,11 @@ import pytest
 from test_simulate import NEW, PROMPTS, _pipeline
 
 from methods.autoregressive import Autoregressive
-from methods.pipeline import Drafter
-from methods.pipeline_parity import compare
-from methods.ppsd import PPSD
+from methods.pipeline.parity import compare
+from methods.pipeline.ppsd import PPSD
+from methods.pipeline.scheduler import Drafter
+from methods.pipeline.spd import SPD
 from methods.sampling import Sampler, SamplingConfig
-from methods.spd import SPD
 
 
 def _parity(method):

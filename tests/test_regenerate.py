@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 
-from harness import regenerate
-from harness.corpus import conversations, prompt_ids
-from harness.models import load_model
-from harness.runner import stop_ids
+from harness.bench.runner import stop_ids
+from harness.runtime.models import load_model
+from harness.training import regenerate
+from harness.training.corpus import conversations, prompt_ids
 
 REPLY = 6
 

@@ -2,8 +2,8 @@
 
 import re
 
-from harness.metrics import summarize
-from harness.report import latex, markdown, render_figures, tables
+from harness.reporting.metrics import summarize
+from harness.reporting.report import latex, markdown, render_figures, tables
 
 
 def _squeezed(text: str) -> str:
@@ -119,7 +119,7 @@ def _steps(row, steps):
 
 
 def test_claims_are_checked_on_the_records_with_the_figures_compared():
-    from harness.claims import verdicts
+    from harness.reporting.claims import verdicts
 
     rows = []
     for model, (steps_n4, steps_n8) in (("m", (10, 8)), ("m2", (5, 8))):  # alpha 1.0 -> 1.25 on m, 2.0 -> 1.25 on m2
@@ -140,7 +140,7 @@ def test_claims_are_checked_on_the_records_with_the_figures_compared():
 
 
 def test_the_t1_order_compares_runs_at_the_papers_sampling_measured_the_same_way():
-    from harness.claims import verdicts
+    from harness.reporting.claims import verdicts
 
     def best(method, params, steps, simulated=False, truncation=(50, 0.95)):
         draft = None if method != "eagle3" else {"num_layers": 30, "ls": 1, "m": params["m"], "width": 1}

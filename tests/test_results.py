@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.results import ResultStore, load_all
+from harness.runtime.errors import HarnessError
+from harness.runtime.results import ResultStore, load_all
 
 
 def _row(i, key="k", payload=0):

@@ -7,18 +7,18 @@ import random
 
 import pytest
 import torch
-
-from methods.objectives import segment_starts
-from harness.target import TargetRuntime
-from methods.autoregressive import Autoregressive
-from methods.eagle3 import EAGLE3, EagleParams
-from methods.eagle_head import EagleConfig, EagleHead, ttt_logits
-from methods.ppsd import PPSD
-from methods.sampling import Sampler, SamplingConfig
-from methods.spd import SPD
-from methods.grouped_layout import grouped_logits
-from methods.speculator import Speculator, SpeculatorConfig
 from tiny_models import tiny_model
+
+from harness.runtime.target import TargetRuntime
+from methods.autoregressive import Autoregressive
+from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
+from methods.eagle3.method import EAGLE3, EagleParams
+from methods.objectives import segment_starts
+from methods.pipeline.grouped_layout import grouped_logits
+from methods.pipeline.ppsd import PPSD
+from methods.pipeline.spd import SPD
+from methods.pipeline.speculator import Speculator, SpeculatorConfig
+from methods.sampling import Sampler, SamplingConfig
 
 GREEDY = SamplingConfig()
 PROMPTS = [torch.randint(0, 256, (4,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]

@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-
-from harness.target import TargetRuntime
-from methods.base import build_method, recorded_params
-from methods.pipeline import Drafter
-from methods.sampling import Sampler, SamplingConfig
-from methods.ppsd import PPSD
-from methods.spd import SPD
-from methods.speculator import Speculator, SpeculatorConfig, stage_bounds
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
+
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method, recorded_params
+from methods.pipeline.ppsd import PPSD
+from methods.pipeline.scheduler import Drafter
+from methods.pipeline.spd import SPD
+from methods.pipeline.speculator import Speculator, SpeculatorConfig, stage_bounds
+from methods.sampling import Sampler, SamplingConfig
 
 GREEDY = SamplingConfig()
 
@@ -153,7 +153,7 @@ def test_sampled_tokens_follow_the_target_distribution(arch, schedule, method, w
 def test_training_forward_equals_the_logits_the_pipeline_drafts_with(arch, n, schedule, width):
     """Same tokens and depths: the training layout reproduces every draft the engine computed (fp32), for every
     branch of a draft tree too (each branch sees only its own ancestors)."""
-    from methods.grouped_layout import grouped_logits
+    from methods.pipeline.grouped_layout import grouped_logits
 
     model = tiny_model(arch)
     target, method = _spd(model, n, schedule, width=width)
@@ -187,7 +187,7 @@ def test_the_scheduler_reaches_the_target_only_through_its_stage_executor(width)
     """An executor that logs every call around the local one: the engine's output stays AR's, and the calls are the
     seam's (one prefill, one stage step per cycle, a verification per finished token, a truncation per rejection,
     a commit per acceptance)."""
-    from methods.pipeline_executor import LocalExecutor
+    from methods.pipeline.executor import LocalExecutor
 
     model, n, prompt = tiny_model("qwen3_5" if width == 1 else "llama"), 3, [5, 6, 7]
     target, method = _spd(model, n, width=width)

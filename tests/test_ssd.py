@@ -7,14 +7,15 @@ import torch
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
-from harness.errors import HarnessError
-from harness.target import TargetRuntime
+from harness.bench.selfcheck import ssd_oracle
+from harness.runtime.errors import HarnessError
+from harness.runtime.target import TargetRuntime
 from methods.base import Timer, build_method, parse_params
-from methods.eagle3 import EAGLE3, EagleParams
-from methods.eagle_head import EagleConfig, EagleHead
+from methods.eagle3.head import EagleConfig, EagleHead
+from methods.eagle3.method import EAGLE3, EagleParams
 from methods.sampling import Sampler, SamplingConfig
-from harness.selfcheck import SSDOracle
-from methods.ssd import SSD, SSDParams, saguaro
+from methods.ssd.method import SSD, SSDParams
+from methods.ssd.speculate import saguaro
 
 GREEDY = SamplingConfig()
 
@@ -35,7 +36,7 @@ def test_greedy_output_is_token_identical_to_ar_through_hits_misses_and_fallback
     hits = misses = 0
     for prompt in ([7], [3, 4], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = SSDOracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
+        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
         generation = oracle.generate(prompt, 24, Sampler(GREEDY))
         assert generation.output_ids == reference
         assert sum(generation.accepted) == len(reference) - 1 and generation.steps == len(generation.stats["hits"])
@@ -56,7 +57,7 @@ def test_a_cache_hit_skips_drafting_and_counts_in_the_modeled_time():
     model = tiny_model("llama")
     target, method = _ssd(model, k=3, fan_out=2)
     reference = build_method("autoregressive", target, {}, set()).generate([5, 6], 20, Sampler(GREEDY)).output_ids
-    oracle = SSDOracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0)
+    oracle = ssd_oracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0)
     generation = oracle.generate([5, 6], 20, Sampler(GREEDY))
     timing = generation.timing
     assert generation.stats["fallback_drafts"] == 1  # the first round only
@@ -70,9 +71,9 @@ def test_the_replay_equals_execution_at_t0_and_refuses_t1():
     ar = build_method("autoregressive", target, {}, set())
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = SSDOracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
         executed = oracle.generate(prompt, 24, Sampler(GREEDY))
-        oracle.rng.manual_seed(0)
+        oracle.speculation.rng.manual_seed(0)
         simulated = oracle.simulate(prompt, reference, 24, Sampler(GREEDY))
         assert (simulated.output_ids, simulated.accepted) == (executed.output_ids, executed.accepted)
         assert simulated.stats["hits"] == executed.stats["hits"]
@@ -110,8 +111,8 @@ def test_parameters_are_checked_and_numbers_parse_from_words():
 
 
 def test_the_report_gives_ssd_its_own_table():
-    from harness.metrics import OVERALL, summarize
-    from harness.report import family_tables
+    from harness.reporting.metrics import OVERALL, summarize
+    from harness.reporting.report import family_tables
 
     row = {"config_key": "ssd", "method": "ssd", "params": {"k": 3}, "model": {"name": "m"}, "simulated": False,
            "temperature": 0.0, "dataset": "gsm8k", "question_id": 0, "new_tokens": 11, "steps": 5,
@@ -214,8 +215,8 @@ def test_a_draft_model_must_share_the_target_vocabulary(tmp_path):
 # --- the drafter in a rank of its own (--executor distributed) -------------------------------------------------------
 def _saved_ssd(tmp_path, model, **params):
     """A tiny target saved as an HF folder and a random EAGLE-3 head saved as its checkpoint, loaded as SSD."""
-    from harness import checkpoints
-    from harness.models import load_model
+    from harness.runtime import checkpoints
+    from harness.runtime.models import load_model
 
     folder = tmp_path / "target"
     model.save_pretrained(folder)
@@ -235,14 +236,14 @@ def _saved_ssd(tmp_path, model, **params):
 def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, arch):
     """T=0: the drafter's rank (gloo, a spawned process) gives AR's tokens and exactly the one-process run's rounds,
     cache hits and fallbacks, with the cache drafted while the driver verifies."""
-    from harness import launch
+    from harness.runtime import distributed as launch
 
     folder, target, method = _saved_ssd(tmp_path, tiny_model(arch), k=3, fan_out=2, saguaro_x=0.5)
     prompt = list(range(10, 19))
     reference = build_method("autoregressive", target, {}, set()).generate(prompt, 24, Sampler(GREEDY)).output_ids
     by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
-    local = SSDOracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
-    remote = SSDOracle(method, by_position, 0.7)
+    local = ssd_oracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
+    remote = ssd_oracle(method, by_position, 0.7)
     with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
         executor = remote.distribute(group, "float32")
         generation = remote.generate(prompt, 24, Sampler(GREEDY))
@@ -262,8 +263,8 @@ def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, ar
 
 def test_a_draft_model_in_its_own_rank_drafts_what_one_process_drafts(tmp_path):
     """The draft model reads no target features, so none cross the wire; rounds and hits equal one process's."""
-    from harness import launch
-    from harness.models import load_model
+    from harness.runtime import distributed as launch
+    from harness.runtime.models import load_model
 
     folder = _saved(tiny_model("qwen3_5"), tmp_path / "target")
     draft = _saved(tiny_model("qwen3_5", num_layers=4, seed=1), tmp_path / "draft")
@@ -283,7 +284,7 @@ def test_a_draft_model_in_its_own_rank_drafts_what_one_process_drafts(tmp_path):
 def test_the_drafter_in_its_own_rank_samples_the_target_distribution(tmp_path):
     """T=1 with Saguaro sampling and the none fallback: drafts and their distributions cross ranks, the joint of
     tokens 1 and 2 is the target's."""
-    from harness import launch
+    from harness.runtime import distributed as launch
 
     vocab = 4
     model = flat_target(vocab)

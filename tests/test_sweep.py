@@ -2,9 +2,9 @@
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.paper import paper_grid
-from harness.sweep import grid
+from harness.bench.sweep import grid
+from harness.reporting.paper import paper_grid
+from harness.runtime.errors import HarnessError
 
 
 def test_grid_expands_each_methods_own_parameters_and_skips_schedules_a_method_lacks():

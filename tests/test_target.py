@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
-from harness.target import TargetRuntime
 from tiny_models import tiny_model
+
+from harness.runtime.target import TargetRuntime
 
 ARCHS = ["llama", "qwen3", "qwen3_5"]
 SPLITS = [(6,), (1, 5), (2, 2, 2), (1, 1, 1, 1, 1, 1), (4, 2)]

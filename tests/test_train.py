@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 
 from harness.cli import main
-from harness.corpus import conversations, encode
+from harness.training.corpus import conversations, encode
 
 
 @pytest.fixture
@@ -163,12 +163,12 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     import torch
     from tiny_models import tiny_model
 
-    from harness.features import teacher_pass
-    from harness.models import ModelIdentity
-    from harness.target import TargetRuntime
+    from harness.runtime.models import ModelIdentity
+    from harness.runtime.target import TargetRuntime
+    from harness.training.features import teacher_pass
     from methods.objectives import EagleSpec, PipelineSpec
 
-    with torch.inference_mode(False), torch.enable_grad():  # as inside harness.train.train
+    with torch.inference_mode(False), torch.enable_grad():  # as inside harness.training.train.train
         target = TargetRuntime(tiny_model("qwen3").to(torch.bfloat16), max_len=32,
                                identity=ModelIdentity("tiny", "0" * 64))
         spec = PipelineSpec("spd", 2, 1, "input", "multi_depth") if kind == "spd" else EagleSpec(3)
@@ -192,10 +192,10 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
     import torch
     from tiny_models import tiny_model
 
-    from harness.features import draft_probabilities, teacher_pass
-    from harness.models import ModelIdentity
-    from harness.target import TargetRuntime
-    from harness.train import DrafterTrainer, TrainConfig, _cross_entropy
+    from harness.runtime.models import ModelIdentity
+    from harness.runtime.target import TargetRuntime
+    from harness.training.features import draft_probabilities, teacher_pass
+    from harness.training.train import DrafterTrainer, TrainConfig, _cross_entropy
     from methods.objectives import EagleSpec, PipelineSpec
 
     with torch.inference_mode(False), torch.enable_grad():
@@ -248,7 +248,7 @@ def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir
 
     from safetensors.torch import load_file
 
-    from harness import checkpoints
+    from harness.runtime import checkpoints
 
     monkeypatch.setattr(checkpoints, "SHIPPED", tmp_path / "drafters")
     shape = ["--method", "spd", "--n", "2", "--ls", "1", "--model", str(tiny_dir)]
@@ -291,8 +291,8 @@ def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir
 
 
 def test_train_on_the_targets_own_replies(tiny_dir, tmp_path, cache):  # noqa: F811
-    from harness.models import load_model
-    from harness.train import TrainConfig, training_chunks
+    from harness.runtime.models import load_model
+    from harness.training.train import TrainConfig, training_chunks
 
     args = ["train", "--model", str(tiny_dir), "--method", "eagle3", "--ttt", "1", "--seq-len", "32", "--batch-size",
             "2", "--draft-vocab", "512", "--val-prompts", "0", "--tokens", "128", "--corpus", "self"]
@@ -334,9 +334,9 @@ def test_feature_cache_reads_back_what_the_teacher_computed(tmp_path):
     import torch
     from tiny_models import tiny_model
 
-    from harness.features import FeatureCache, teacher_pass
-    from harness.models import ModelIdentity
-    from harness.target import TargetRuntime
+    from harness.runtime.models import ModelIdentity
+    from harness.runtime.target import TargetRuntime
+    from harness.training.features import FeatureCache, teacher_pass
 
     target = TargetRuntime(tiny_model("llama"), max_len=32, identity=ModelIdentity("tiny", "0" * 64))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -369,7 +369,7 @@ def test_feature_cache_reads_back_what_the_teacher_computed(tmp_path):
 def test_epochs_revisit_the_budget_from_the_feature_cache(tiny_dir, tmp_path, cache):  # noqa: F811
     """--epochs 2 trains twice the steps over the same chunks; the second pass reads every chunk from disk (the
     teacher ran once per chunk), in a seeded shuffle that a resumed run repeats."""
-    from harness.train import TrainConfig
+    from harness.training.train import TrainConfig
 
     train = ["train", "--model", str(tiny_dir), "--n", "2", "--ls", "1", "--seq-len", "32", "--batch-size", "2",
              "--draft-vocab", "512", "--save-every", "2", "--val-prompts", "0", "--tokens", "128", "--epochs", "2"]

@@ -1,7 +1,7 @@
 """Tiny random models of the three supported architectures, built offline from configs."""
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
 COMMON = dict(
     vocab_size=256,

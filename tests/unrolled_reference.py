@@ -3,7 +3,7 @@ position unrolled into n+1 depth rows with a [(n+1)S, (n+1)S] visibility mask.""
 
 import torch
 
-from methods.speculator import Speculator
+from methods.pipeline.speculator import Speculator
 
 
 def unrolled_mask(n: int, segment_start: torch.Tensor) -> torch.Tensor:

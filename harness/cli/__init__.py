@@ -17,9 +17,9 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import click  # noqa: E402
 
-from harness.data import DATASETS  # noqa: E402
-from harness.errors import HarnessError  # noqa: E402
-from harness.models import DEFAULT_MODEL  # noqa: E402
+from harness.bench.data import DATASETS  # noqa: E402
+from harness.runtime.errors import HarnessError  # noqa: E402
+from harness.runtime.models import DEFAULT_MODEL  # noqa: E402
 
 
 class _Group(click.Group):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
+from harness.bench.data import DATASETS
 from harness.cli import _values, data_option, device_option, dtype_option, main, model_option
 from harness.cli.drafters import _drafter_specs
-from harness.data import DATASETS
 
 
 @main.group()
@@ -28,7 +28,7 @@ def bench():
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/ar.jsonl"), show_default=True)
 def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, out):
     """Harness AR decode vs HF generate, alternating runs; prints the median time ratio (HF / ours)."""
-    from harness.bench import bench_ar, save
+    from harness.bench.speed_ar import bench_ar, save
 
     result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir)
     save(result, out)
@@ -53,8 +53,8 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
 def bench_train_command(methods, n_values, ls_values, ttt_values, seq_len, batch_size, steps, model, device, dtype, out):
     """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches."""
-    from harness import bench_train
-    from harness.train import TrainConfig
+    from harness.training import speed as bench_train
+    from harness.training.train import TrainConfig
 
     specs = _drafter_specs(methods, n_values, ls_values, None, ttt_values)
     config = TrainConfig(drafters=specs, model=model, seq_len=seq_len, batch_size=batch_size, device=device,
@@ -82,10 +82,10 @@ def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, de
     """One pipeline stage call on W draft branches against one: time per stage and memory per branch."""
     import torch
 
-    from harness import bench_stage
-    from harness.models import load_model
-    from harness.selfcheck import build_model
-    from harness.target import TargetRuntime
+    from harness.bench import speed_stage as bench_stage
+    from harness.bench.selfcheck import build_model
+    from harness.runtime.models import load_model
+    from harness.runtime.target import TargetRuntime
 
     if layers is not None and shape is None:
         raise click.UsageError("--layers trims a --random model; drop it or add --random")
@@ -119,9 +119,9 @@ def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, de
               show_default=True)
 def selfcheck(device, shapes, dtype, prompts, max_new_tokens, out):
     """Every method lossless against AR on random models of real shapes, and AR against HF generate (no downloads)."""
-    from harness import selfcheck as check
-    from harness.models import default_dtype, resolve_device, resolve_dtype
-    from harness.results import ResultStore
+    from harness.bench import selfcheck as check
+    from harness.runtime.models import default_dtype, resolve_device, resolve_dtype
+    from harness.runtime.results import ResultStore
 
     resolve_device(device)  # a missing CUDA device fails here, in one line
     checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(dtype or default_dtype(device)))

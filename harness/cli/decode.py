@@ -45,8 +45,8 @@ def run(ctx, method, param_pairs, n, ls, schedule, width, m, model, datasets, te
         limit, seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
         join_timeout):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
-    from harness.runner import RunConfig
-    from harness.runner import run as run_config
+    from harness.bench.runner import RunConfig
+    from harness.bench.runner import run as run_config
 
     named = {"n": n, "ls": ls, "schedule": schedule, "width": width, "m": m}
     params = {**_params(param_pairs), **_method_options(ctx.args),
@@ -73,9 +73,9 @@ def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed
            checkpoint):
     """Train/decode parity of a pipeline drafter: its top-1 per (position, fill level) on the greedy AR output, through
     the training layout, the decoding engine and the replay; exits 1 on any disagreement beyond near-ties."""
-    from harness.parity import check as parity_check
-    from harness.parity import table
-    from harness.runner import RunConfig
+    from harness.bench.parity import check as parity_check
+    from harness.bench.parity import table
+    from harness.bench.runner import RunConfig
 
     if simulate:
         raise click.UsageError("parity always compares the engine with the training layout; drop --simulate")
@@ -110,10 +110,10 @@ def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed
 def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values, widths, temperatures, top_k, top_p,
           model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, results, simulate):
     """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
-    from harness.paper import paper_grid
-    from harness.runner import RunConfig
-    from harness.sweep import grid
-    from harness.sweep import sweep as run_sweep
+    from harness.bench.runner import RunConfig
+    from harness.bench.sweep import grid
+    from harness.bench.sweep import sweep as run_sweep
+    from harness.reporting.paper import paper_grid
 
     if (preset is None) == (methods is None):
         raise click.UsageError("pass either --preset paper or --method LIST")

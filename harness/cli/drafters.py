@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from harness.cli import _params, _values, device_option, dtype_option, main, model_option
-from harness.errors import HarnessError
+from harness.runtime.errors import HarnessError
 
 
 def _drafter_specs(methods: str, n_values: str, ls_values: str | None, schedules: str | None, ttt_values: str,
@@ -80,8 +80,8 @@ def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, agg
           feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every, val_prompts, corpus, init, autocast,
           resume, model, device, dtype):
     """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
-    from harness.train import TrainConfig
-    from harness.train import train as run_training
+    from harness.training.train import TrainConfig
+    from harness.training.train import train as run_training
 
     specs = _drafter_specs(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, aggr_bounds)
     shape = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (
@@ -113,8 +113,8 @@ def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, agg
 def ship(method, param_pairs, n, ls, schedule, model):
     """Copy a trained drafter from the cache into drafters/<model>/ as bf16 safetensors + config (at most 40 MB),
     where `run` finds it when the cache has none."""
-    from harness import checkpoints
-    from harness.models import load_identity
+    from harness.runtime import checkpoints
+    from harness.runtime.models import load_identity
     from methods.base import REGISTRY, parse_params
 
     if method not in REGISTRY or REGISTRY[method].drafter(parse_params(REGISTRY[method], {})) is None:
@@ -146,9 +146,9 @@ def ship(method, param_pairs, n, ls, schedule, model):
 @dtype_option
 def import_command(spd_file, eagle_dir, ttt, force, model, device, dtype):
     """Convert a published SPD or EAGLE-3 head for --model into the drafter cache (checked against the target)."""
-    from harness.interop import import_eagle3, import_spd
-    from harness.models import load_model
-    from harness.target import TargetRuntime
+    from harness.bench.interop import import_eagle3, import_spd
+    from harness.runtime.models import load_model
+    from harness.runtime.target import TargetRuntime
 
     if (spd_file is None) == (eagle_dir is None):
         raise click.UsageError("pass one of --spd FILE.pt or --eagle3 DIR")
@@ -171,10 +171,10 @@ def export_head(model, ttt, checkpoint, out, replace):
     """An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format (SGLang, the EAGLE code)."""
     from transformers import AutoConfig
 
-    from harness import checkpoints
-    from harness.interop import check_export_target, export_eagle3
-    from harness.models import load_identity, resolve_model_dir
-    from methods.eagle3 import EagleParams
+    from harness.bench.interop import check_export_target, export_eagle3
+    from harness.runtime import checkpoints
+    from harness.runtime.models import load_identity, resolve_model_dir
+    from methods.eagle3.method import EagleParams
 
     check_export_target(out, replace)  # before anything loads
     tag = EagleParams(ttt=ttt, layout="eagle3").tag

@@ -7,14 +7,14 @@ from pathlib import Path
 import click
 
 from harness.cli import data_option, device_option, main
-from harness.errors import HarnessError
+from harness.runtime.errors import HarnessError
 
 
 def _records(results: Path) -> list[dict]:
     """One record per sample under `results`, saying when duplicates (e.g. two runs on one file) were dropped, which
     files were not results files, and what code the records come from."""
-    from harness.provenance import code_identity
-    from harness.results import code_notes, load_all
+    from harness.runtime.provenance import code_identity
+    from harness.runtime.results import code_notes, load_all
 
     loaded = load_all(results)
     if loaded.duplicates:
@@ -35,10 +35,10 @@ def _records(results: Path) -> list[dict]:
 @click.option("--summary", is_flag=True, help="Only the table of acceptance and speedups per configuration (markdown).")
 def report(results, fmt, out, summary):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
-    from harness.metrics import summarize
-    from harness.report import RENDERERS, markdown_summary, render_figures
-    from harness.paths import check_out_path
-    from harness.results import load_training
+    from harness.reporting.metrics import summarize
+    from harness.reporting.report import RENDERERS, markdown_summary, render_figures
+    from harness.runtime.paths import check_out_path
+    from harness.runtime.results import load_training
 
     if out is not None:
         check_out_path(out, folder=False)
@@ -72,8 +72,8 @@ def report(results, fmt, out, summary):
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
 def export(fmt, results, out):
     """Our records in another tool's format, one file per configuration."""
-    from harness.export import export as write
-    from harness.paths import check_out_path
+    from harness.reporting.export import export as write
+    from harness.runtime.paths import check_out_path
 
     check_out_path(out, folder=True)  # before the records are read
     written, skipped = write(_records(results), fmt, out)
@@ -97,8 +97,8 @@ def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
     """Exit 1 when acceptance fell beyond the tolerance, a sample lost losslessness, or a configuration is missing."""
     import tempfile
 
-    from harness import check as regression
-    from harness.metrics import summarize
+    from harness.reporting import check as regression
+    from harness.reporting.metrics import summarize
 
     if write and rerun:
         raise click.UsageError("--write takes recorded results; drop --rerun")

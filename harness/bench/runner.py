@@ -1,0 +1,440 @@
+"""The shared benchmark loop: prompts in, one lossless-checked JSONL record per sample out, resumable."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import methods  # noqa: F401  (fills the registry)
+from harness.bench.data import Sample, load_samples, render_prompt
+from harness.runtime import checkpoints
+from harness.runtime import distributed as launch
+from harness.runtime.errors import HarnessError
+from harness.runtime.lossless import ReferenceCache, compare, not_checked
+from harness.runtime.models import LoadedModel, check_model_spec, default_dtype, load_model
+from harness.runtime.provenance import versions
+from harness.runtime.results import Record, ResultStore, config_key
+from harness.runtime.target import TargetRuntime
+from methods.base import REGISTRY, Method, build_method, parse_params, recorded_params
+from methods.sampling import Sampler, SamplingConfig
+
+REFERENCE_METHOD = "autoregressive"
+
+
+@dataclass
+class RunConfig:
+    method: str = "autoregressive"
+    params: dict = field(default_factory=dict)
+    model: str = "smollm2-135m"
+    datasets: tuple[str, ...] = ("mt_bench", "gsm8k", "humaneval")
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    limit: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None
+    data_dir: str | None = None
+    out: Path | None = None
+    checkpoint: str | None = None
+    skip_missing: bool = False
+    baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
+    simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
+    executor: str = "local"  # "distributed": served ranks of their own (pipeline stages, SSD's drafter; launch.py)
+    devices: str | None = None  # distributed: one device per served rank, comma list
+    timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
+    join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
+
+    @property
+    def stage_devices(self) -> list[str]:
+        """One device per rank the method serves besides the driver."""
+        count, why = REGISTRY[self.method].served(parse_params(REGISTRY[self.method], self.params))
+        return launch.stage_devices(self.devices, self.device, count, why)
+
+    @property
+    def dtype_name(self) -> str:
+        return self.dtype or default_dtype(self.device)
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+def validate(config: RunConfig) -> None:
+    """Reject bad input before anything is loaded or written; fill the method's default parameters in."""
+    check_model_spec(config.model)
+    if config.method not in REGISTRY:
+        raise HarnessError(f"unknown method {config.method!r}; choose from {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[config.method]
+    try:
+        params = parse_params(cls, config.params)
+        config.params = recorded_params(params)
+        config.sampling()
+    except (ValueError, TypeError) as exc:
+        raise HarnessError(f"{exc}; fix the option") from None
+    if config.checkpoint and cls.drafter(params) is None:
+        raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
+    if config.simulate and cls.simulate is Method.simulate:
+        raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
+    if config.simulate:
+        try:
+            cls.check_simulation(params, config.temperature)
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from None
+    if config.limit is not None and config.limit < 1:
+        raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
+    if config.max_new_tokens < 1:
+        raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
+    validate_executor(config, cls)
+
+
+def validate_executor(config: RunConfig, cls) -> None:
+    """--executor, --devices and --timeout: distributed runs the families that serve ranks, one device each."""
+    if config.executor not in launch.EXECUTORS:
+        raise HarnessError(f"--executor must be one of {', '.join(launch.EXECUTORS)}, got {config.executor!r}")
+    if config.executor == "local":
+        if config.devices:
+            raise HarnessError("--devices places the stages of --executor distributed; add it or drop --devices")
+        return
+    if cls.served(parse_params(cls, config.params)) is None:
+        distributed = sorted(name for name, c in REGISTRY.items() if c.served(parse_params(c, {})) is not None)
+        raise HarnessError(f"--executor distributed runs {', '.join(distributed)}, not {config.method}")
+    if config.simulate:
+        raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
+    launch.check_deadline("--timeout", config.timeout)
+    launch.check_deadline("--join-timeout", config.join_timeout)
+    config.stage_devices  # noqa: B018 - validates --devices against n
+
+
+def check_model(method: str, params: dict, loaded: LoadedModel) -> None:
+    """What only the loaded model can tell: the method's parameters fit its layers (e.g. pipeline stages)."""
+    cls = REGISTRY[method]
+    try:
+        cls.check_model(parse_params(cls, params), len(loaded.model.model.layers))
+    except ValueError as exc:
+        raise HarnessError(f"{exc}; fix the option") from None
+
+
+def load_prompts(config: RunConfig) -> list[Sample]:
+    samples = []
+    for name in config.datasets:
+        try:
+            samples += load_samples(name, config.data_dir, config.limit)
+        except HarnessError as exc:
+            if not config.skip_missing or "not found" not in str(exc):
+                raise
+            tqdm.write(f"skipping {name}: {exc}")
+    if not samples:
+        raise HarnessError("no prompts to run: every requested dataset is missing; pass --data-dir")
+    return samples
+
+
+def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
+    """Where the configuration's trained drafter lives and the command that trains it; None: it needs none."""
+    cls = REGISTRY[config.method]
+    needed = cls.drafter(parse_params(cls, config.params))
+    if needed is None:
+        return None
+    tag, command = needed
+    folder = checkpoints.find(identity, config.method, tag, config.checkpoint)
+    return folder, command
+
+
+def drafter_fingerprint(config: RunConfig, identity) -> str | None:
+    found = drafter_folder(config, identity)
+    if found is None or not (found[0] / checkpoints.WEIGHTS).exists():
+        return None
+    return checkpoints.fingerprint(found[0])
+
+
+def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
+    """`--checkpoint` naming a published head (a reference SPD `.pt` file, an EAGLE-3 folder): converted into the
+    cache and used from there."""
+    if not config.checkpoint:
+        return
+    path = Path(config.checkpoint)
+    if config.method == "eagle3" and _eagle3_folder(path):
+        from harness.bench.interop import import_eagle3
+
+        target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+        config.checkpoint = str(import_eagle3(path, target, ttt=config.params["ttt"]))
+        config.params["layout"] = "eagle3"
+        return
+    if not path.is_file():
+        return
+    if config.method != "spd":
+        raise HarnessError(f"{config.checkpoint} is a file: only reference SPD heads (.pt) are read that way; "
+                           f"pass a drafter folder for --method {config.method}")
+    from harness.bench.interop import import_spd
+
+    target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+    config.checkpoint = str(import_spd(path, target, expect=(config.params["n"], config.params["ls"])))
+
+
+def _eagle3_folder(path: Path) -> bool:
+    """A folder in the EAGLE-3 authors' format (its config names an Eagle3 architecture; ours never does)."""
+    try:
+        return any("Eagle3" in a for a in json.loads((path / "config.json").read_text()).get("architectures", []))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def sample_seed(seed: int, sample: Sample) -> int:
+    """Per-sample seed, so a resumed run draws exactly what an uninterrupted one would have."""
+    text = f"{seed}/{sample.dataset}/{sample.question_id}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+class Runner:
+    """Runs one configuration over its prompts; the method sees only the target runtime and the prompt ids."""
+
+    def __init__(self, config: RunConfig, loaded: LoadedModel):
+        self.config = config
+        self.loaded = loaded
+        self.sampling = config.sampling()
+        self.stop_ids = stop_ids(loaded)
+        self.drafter = drafter_fingerprint(config, loaded.identity)
+        spec = {
+            "method": config.method,
+            "params": config.params,
+            "model": loaded.identity.to_dict(),
+            **self.sampling.to_dict(),
+            "max_new_tokens": config.max_new_tokens,
+            "seed": config.seed,
+            "dtype": config.dtype_name,
+            "device": loaded.device.type,
+            **({"simulated": True} if config.simulate else {}),
+            **({"executor": {"kind": "distributed", "world_size": len(config.stage_devices) + 1,
+                             "devices": config.stage_devices}} if config.executor == "distributed" else {}),
+            **({"drafter": self.drafter} if self.drafter else {}),
+        }
+        self.key = config_key(spec)
+        self.references = ReferenceCache(loaded, config.dtype_name, self.stop_ids)
+        self.target: TargetRuntime | None = None
+
+    def load_method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
+        if self.target is None:
+            longest = max(len(p) for p in prompts)
+            context = getattr(self.loaded.model.config.get_text_config(), "max_position_embeddings", None)
+            if context and longest + self.config.max_new_tokens > context:
+                raise HarnessError(f"a prompt of {longest} tokens plus --max-new-tokens {self.config.max_new_tokens} "
+                                   f"exceeds the model's context of {context} tokens; lower --max-new-tokens or "
+                                   f"--limit the prompts")
+            max_len = longest + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
+            self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity)
+        return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
+
+    def todo(self, samples: list[Sample], store: ResultStore) -> list[Sample]:
+        """Samples of this configuration not yet in the store (a resumed run skips the rest)."""
+        finished = store.finished()
+        return [s for s in samples if (self.key, s.dataset, str(s.question_id)) not in finished]
+
+    def run(self, samples: list[Sample], store: ResultStore, bar: tqdm | None = None) -> int:
+        """Run every unfinished sample, holding the results file for the whole run (a concurrent run on it is refused);
+        `bar` (a sweep's overall bar) replaces the per-run one."""
+        with store.writing():
+            todo = self.todo(samples, store)
+            if len(todo) < len(samples):
+                tqdm.write(self._reused_note(samples, todo, store), file=sys.stderr)
+            if not todo:
+                return 0
+            prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
+            method = self.load_method(self.config.method, self.config.params, prompts)
+            reference = self.load_method(REFERENCE_METHOD, {}, prompts)
+            with self._executor(method), torch.inference_mode():
+                if not self.config.simulate:
+                    for warm in (method, reference):  # one-off allocation costs stay out of the timings
+                        warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
+                self._loop(todo, prompts, method, reference, store, bar)
+            return len(todo)
+
+    def _reused_note(self, samples: list[Sample], todo: list[Sample], store: ResultStore) -> str:
+        """Which samples this run keeps from earlier records instead of measuring them, and from which code."""
+        wanted = {(s.dataset, str(s.question_id)) for s in samples} - {(s.dataset, str(s.question_id)) for s in todo}
+        kept = [r for r in store.load()
+                if r["config_key"] == self.key and (r["dataset"], str(r["question_id"])) in wanted]
+        commits = sorted({(r.get("versions") or {}).get("commit") or "unknown" for r in kept})
+        return (f"{self.config.method}: {len(wanted)} of {len(samples)} samples already recorded in {store.path} "
+                f"(commit {', '.join(c[:10] for c in commits)}; this code: "
+                f"{(versions().get('commit') or 'unknown')[:10]}): kept, not measured again; another --out measures "
+                f"them anew")
+
+    @contextmanager
+    def _executor(self, method: Method):
+        """The distributed executor's ranks for the whole run (the local one needs nothing)."""
+        if self.config.executor == "local":
+            yield
+            return
+        with launch.stage_group(self.config.model, self.config.device, self.config.stage_devices,
+                                self.config.timeout, self.config.join_timeout) as group:
+            executor = method.distribute(group, self.config.dtype_name)
+            yield
+            executor.close()  # only after a clean run: a failed rank cannot be asked to stop
+
+    def _loop(self, todo, prompts, method, reference, store, bar) -> None:
+        desc = f"{self.config.method}{' (simulated)' if self.config.simulate else ''}"
+        own_bar = bar is None
+        if own_bar:
+            bar = tqdm(total=len(todo), desc=desc, unit="sample", dynamic_ncols=True)
+        try:
+            self._decode_all(todo, prompts, method, reference, store, bar)
+        finally:
+            if own_bar:
+                bar.close()  # ends the bar's line, so an error message starts a line of its own
+
+    def _decode_all(self, todo, prompts, method, reference, store, bar) -> None:
+        tokens, seconds = 0, 0.0
+        for index, (sample, prompt) in enumerate(zip(todo, prompts)):
+            if self.config.simulate:
+                generation, baseline = self._simulate(method, reference, prompt, sample), None
+                lossless = not_checked("simulated: acceptance replayed on the AR output")
+            else:
+                generation, baseline = self._generate_pair(method, reference, prompt, sample, index % 2 == 0)
+                lossless = self._check(prompt, generation.output_ids, reference, baseline)
+            store.append(self._record(sample, prompt, generation, lossless, baseline))
+            tokens += len(generation.output_ids)
+            seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
+            bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—", lossless=_flag(lossless))
+            bar.update()
+
+    def _simulate(self, method, reference, prompt, sample):
+        """The method's acceptance replayed on the AR output for this prompt and seed (both cached, so the
+        configurations of a sweep replay on one trajectory per prompt without decoding it again)."""
+        seed = sample_seed(self.config.seed, sample)
+        if self.sampling.greedy:
+            trajectory = self.greedy_reference(prompt, reference)
+        else:
+            trajectory = self.sampled_reference(prompt, reference, seed)
+        return method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
+
+    def sampled_reference(self, prompt: list[int], reference: Method, seed: int) -> list[int]:
+        """AR output for the prompt sampled with this run's sampling from `seed`: cached, else decoded now."""
+        s = self.sampling
+        variant = f"t{s.temperature:g}-k{s.top_k}-p{s.top_p:g}-seed{seed}"
+        trajectory = self.references.get(prompt, self.config.max_new_tokens, variant)
+        if trajectory is None:
+            trajectory = reference.generate(prompt, self.config.max_new_tokens, self._sampler(seed)).output_ids
+            self.references.put(prompt, self.config.max_new_tokens, trajectory, variant)
+        return trajectory
+
+    def greedy_reference(self, prompt: list[int], reference: Method) -> list[int]:
+        """Greedy AR output for the prompt: from the reference cache, else decoded now and cached."""
+        expected = self.references.get(prompt, self.config.max_new_tokens)
+        if expected is None:
+            expected = reference.generate(prompt, self.config.max_new_tokens, Sampler(SamplingConfig())).output_ids
+            self.references.put(prompt, self.config.max_new_tokens, expected)
+        return expected
+
+    def _generate_pair(self, method, reference, prompt, sample, method_first: bool):
+        """The method and, unless it is AR itself, AR on the same prompt and seed, in alternating order."""
+        seed = sample_seed(self.config.seed, sample)
+
+        def run(m: Method):
+            return m.generate(prompt, self.config.max_new_tokens, self._sampler(seed))
+
+        if self.config.method == REFERENCE_METHOD or not self.config.baseline:
+            return run(method), None
+        if method_first:
+            generation = run(method)
+            return generation, run(reference)
+        baseline = run(reference)
+        return run(method), baseline
+
+    def _sampler(self, seed: int) -> Sampler:
+        generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+        return Sampler(self.sampling, generator)
+
+    def _check(self, prompt: list[int], output: list[int], reference_method: Method, baseline) -> dict:
+        if not self.sampling.greedy:
+            return not_checked("sampled run: covered by the distribution tests")
+        # AR's own output, or AR run beside the method, is the reference when none is cached yet.
+        own = output if self.config.method == REFERENCE_METHOD else baseline and baseline.output_ids
+        if own and self.references.get(prompt, self.config.max_new_tokens) is None:
+            self.references.put(prompt, self.config.max_new_tokens, own)
+        return compare(self.target, prompt, output, self.greedy_reference(prompt, reference_method))
+
+    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline) -> Record:
+        c = self.config
+        return Record(
+            method=c.method,
+            params=c.params,
+            model=self.loaded.identity.to_dict(),
+            dataset=sample.dataset,
+            question_id=sample.question_id,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            max_new_tokens=c.max_new_tokens,
+            seed=c.seed,
+            dtype=c.dtype_name,
+            device=self.loaded.device.type,
+            prompt_tokens=len(prompt),
+            output_ids=generation.output_ids,
+            output_text=self.loaded.tokenizer.decode(generation.output_ids, skip_special_tokens=False),
+            new_tokens=len(generation.output_ids),
+            steps=generation.steps,
+            accepted=generation.accepted,
+            position_accepts=generation.position_accepts,
+            timing={} if c.simulate else {k: round(v, 6) for k, v in generation.timing.items()},
+            lossless=lossless,
+            config_key=self.key,
+            simulated=c.simulate,
+            versions=versions(),
+            stats={**generation.stats, "drafter": self.drafter, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            prompt_source=sample.source,
+            baseline=None if baseline is None else {
+                "method": REFERENCE_METHOD,
+                "new_tokens": len(baseline.output_ids),
+                "timing": {k: round(v, 6) for k, v in baseline.timing.items()},
+            },
+        )
+
+
+def _flag(lossless: dict) -> str:
+    if not lossless["checked"]:
+        return "n/a"
+    return "ok" if lossless["identical"] else f"DIVERGED@{lossless['first_divergence']}"
+
+
+def stop_ids(loaded: LoadedModel) -> set[int]:
+    """Every end-of-turn id the model declares (generation config and tokenizer), not just one."""
+    ids: set[int] = set()
+    for value in (loaded.model.generation_config.eos_token_id, loaded.tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+def default_out(config: RunConfig, model_name: str, root: Path = Path("results")) -> Path:
+    return root / model_name.replace("/", "--") / f"{config.method}.jsonl"
+
+
+def run(config: RunConfig) -> Path | None:
+    """Validate, load prompts and model, run every unfinished sample, return the results file (None on a torchrun
+    stage rank, which only serves its stage)."""
+    validate(config)
+    if config.executor == "distributed" and launch.under_torchrun() and int(os.environ["RANK"]) > 0:
+        launch.serve_from_env(config.stage_devices, config.device, config.timeout, config.join_timeout)
+        return None
+    samples = load_prompts(config)
+    store_path = config.out
+    if store_path is not None:
+        ResultStore(store_path).load()  # an unreadable file fails here, before the model loads
+    loaded = load_model(config.model, config.device, config.dtype)
+    check_model(config.method, config.params, loaded)
+    import_checkpoint(config, loaded)
+    store = ResultStore(store_path or default_out(config, loaded.identity.name))
+    store.load()
+    Runner(config, loaded).run(samples, store)
+    return store.path

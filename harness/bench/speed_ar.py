@@ -1,0 +1,96 @@
+"""`spd-bench bench ar`: the harness's AR decode against HF `generate` on the same prompts, model and dtype."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from harness.bench.data import load_samples, render_prompt
+from harness.bench.runner import stop_ids
+from harness.runtime.models import load_model
+from harness.runtime.provenance import versions
+from harness.runtime.results import ResultStore, config_key
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method
+from methods.sampling import Sampler, SamplingConfig
+
+
+@dataclass
+class BenchResult:
+    kind: str
+    model: dict
+    dtype: str
+    device: str
+    dataset: str
+    prompts: int
+    repeats: int
+    max_new_tokens: int
+    ours_seconds: list[float]
+    hf_seconds: list[float]
+    ratios: list[float]  # HF time / our time for the same prompt and tokens; > 1 means ours is faster
+    median_ratio: float
+    identical: bool
+    versions: dict
+    config_key: str
+
+
+def _timed(fn, ids: list[int]) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    output = fn(ids)
+    return time.perf_counter() - start, output
+
+
+def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeats: int, device: str, dtype: str | None,
+             data_dir: str | None) -> BenchResult:
+    loaded = load_model(model, device, dtype)
+    reference = load_model(model, device, dtype)  # HF generate runs on an untouched copy, as a user would load it
+    samples = load_samples(dataset, data_dir, prompts)
+    prompt_ids = [render_prompt(loaded.tokenizer, s.prompt) for s in samples]
+    target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8)
+    stops = sorted(stop_ids(loaded))
+    ours = build_method("autoregressive", target, {}, set(stops))
+    greedy = Sampler(SamplingConfig())
+
+    def run_ours(ids):
+        return ours.generate(ids, max_new_tokens, greedy).output_ids
+
+    def run_hf(ids):
+        # Same stopping rule as ours: the run ends after the first end-of-turn id or max_new_tokens.
+        out = reference.model.generate(
+            torch.tensor([ids], device=loaded.device), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=stops, pad_token_id=stops[0],
+        )
+        return out[0, len(ids):].tolist()
+
+    ours_s, hf_s, ratios, identical = [], [], [], True
+    with torch.inference_mode():
+        run_ours(prompt_ids[0][:16]), run_hf(prompt_ids[0][:16])  # warm-up both paths
+        pairs = [(r, ids) for r in range(repeats) for ids in prompt_ids]
+        for r, ids in tqdm(pairs, desc="bench ar vs hf generate", unit="pair"):
+            if r % 2 == 0:  # alternate who goes first so neither always runs on a warmer cache
+                t_ours, out_ours = _timed(run_ours, ids)
+                t_hf, out_hf = _timed(run_hf, ids)
+            else:
+                t_hf, out_hf = _timed(run_hf, ids)
+                t_ours, out_ours = _timed(run_ours, ids)
+            identical &= out_ours == out_hf
+            ours_s.append(t_ours)
+            hf_s.append(t_hf)
+            ratios.append(t_hf / t_ours)
+    spec = {"kind": "bench-ar", "model": loaded.identity.to_dict(), "dataset": dataset, "prompts": prompts,
+            "max_new_tokens": max_new_tokens, "dtype": str(loaded.dtype), "device": loaded.device.type}
+    return BenchResult(
+        kind="bench-ar", model=loaded.identity.to_dict(), dtype=str(loaded.dtype).removeprefix("torch."),
+        device=loaded.device.type, dataset=dataset, prompts=len(prompt_ids), repeats=repeats,
+        max_new_tokens=max_new_tokens, ours_seconds=ours_s, hf_seconds=hf_s, ratios=ratios,
+        median_ratio=statistics.median(ratios), identical=identical, versions=versions(), config_key=config_key(spec),
+    )
+
+
+def save(result: BenchResult, path: Path) -> None:
+    ResultStore(path).append(asdict(result))

@@ -1,0 +1,105 @@
+"""`spd-bench sweep`: a grid of run configurations (methods x parameters x T x width) over the datasets, with one
+model load, one overall progress bar and the run's resume rule per configuration. It trains nothing: a point whose
+drafter is missing, or that this model or mode cannot run, is skipped and listed with the command that fixes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import product
+from pathlib import Path
+
+from tqdm import tqdm
+
+from harness.bench.runner import RunConfig, Runner, check_model, default_out, drafter_folder, load_prompts, validate
+from harness.reporting.metrics import NO_TRUNCATION
+from harness.reporting.paper import GridPoint
+from harness.runtime import checkpoints
+from harness.runtime.errors import HarnessError
+from harness.runtime.models import load_model
+from harness.runtime.results import ResultStore
+from methods.base import REGISTRY, parse_params
+
+
+@dataclass
+class Skipped:
+    point: GridPoint
+    reason: str
+
+
+@dataclass
+class SweepOutcome:
+    ran: dict[GridPoint, int]  # samples run now per point (0: already finished)
+    skipped: list[Skipped]
+    files: set[Path]
+
+
+def grid(methods: list[str], values: dict[str, list], temperatures: list[float], widths: list[int],
+         truncation: tuple[int, float] = NO_TRUNCATION) -> list[GridPoint]:
+    """Every combination of the listed values of each method's own parameters (others are ignored); points at T>0
+    sample with `truncation` (top-k, top-p)."""
+    points = []
+    for method in methods:
+        if method not in REGISTRY:
+            raise HarnessError(f"unknown method {method!r}; choose from {', '.join(sorted(REGISTRY))}")
+        known = {f for f in REGISTRY[method].Params.__dataclass_fields__} - {"width"}
+        names = [name for name in values if name in known and values[name]]
+        has_width = "width" in REGISTRY[method].Params.__dataclass_fields__
+        for t, w, combo in product(temperatures, widths if has_width else [None], product(*(values[k] for k in names))):
+            params = dict(zip(names, combo)) | ({} if w is None else {"width": w})
+            if _valid(method, params):
+                point = GridPoint.of(method, t, **params)
+                points.append(replace(point, top_k=truncation[0], top_p=truncation[1]) if t > 0 else point)
+    return points
+
+
+def _valid(method: str, params: dict) -> bool:
+    """False for a schedule the method does not have (PPSD: output only); other bad values are errors."""
+    try:
+        parse_params(REGISTRY[method], params)
+        return True
+    except ValueError as exc:
+        without = {k: v for k, v in params.items() if k != "schedule"}
+        if "schedule" in params and without != params and _valid(method, without):
+            return False
+        raise HarnessError(f"{method} {params}: {exc}; fix the sweep's values") from None
+
+
+def missing_drafter(config: RunConfig, identity) -> str | None:
+    """The train command for a configuration whose drafter is not in the cache, else None."""
+    found = drafter_folder(config, identity)
+    if found is None or (found[0] / checkpoints.CONFIG).exists():
+        return None
+    return found[1]
+
+
+def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> SweepOutcome:
+    configs = {point: replace(base, method=point.method, params=point.param_dict, temperature=point.temperature,
+                              top_k=point.top_k, top_p=point.top_p)
+               for point in points}
+    for config in configs.values():
+        validate(config)  # bad input fails before the model loads
+    samples = load_prompts(base)
+    loaded = load_model(base.model, base.device, base.dtype)
+    skipped, runners = [], {}
+    for config in configs.values():
+        check_model(config.method, config.params, loaded)
+    for point, config in configs.items():
+        command = missing_drafter(config, loaded.identity)
+        if command is not None:
+            skipped.append(Skipped(point, f"no drafter; train it with: {command}"))
+            continue
+        store = ResultStore(default_out(config, loaded.identity.name, results or Path("results")))
+        store.load()
+        runners[point] = (Runner(config, loaded), store)
+    todo = {point: runner.todo(samples, store) for point, (runner, store) in runners.items()}
+    outcome = SweepOutcome({}, skipped, {store.path for _, store in runners.values()})
+    with tqdm(total=sum(len(t) for t in todo.values()), desc="sweep", unit="sample", dynamic_ncols=True) as bar:
+        for point, (runner, store) in runners.items():
+            bar.set_description(point.label())
+            try:
+                outcome.ran[point] = runner.run(samples, store, bar)
+            except HarnessError as exc:  # this model or mode cannot run the point (e.g. trees on linear attention)
+                bar.total -= len(runner.todo(samples, store))
+                bar.refresh()
+                outcome.skipped.append(Skipped(point, str(exc)))
+    return outcome

@@ -1,0 +1,223 @@
+"""Report figures (matplotlib, PNG): acceptance by draft position / fill level, accepted-length histograms,
+theoretical vs measured speedups and the cycle wall breakdown per executed configuration, and theoretical speedup
+over n and over Ls."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from harness.reporting.metrics import Block, Summary, find  # noqa: E402
+
+
+def _name(s: Summary) -> str:
+    """Method and parameters, without the width and the default input schedule."""
+    params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items())
+                      if k != "width" and (k != "schedule" or v != "input"))
+    return f"{s.method} {params}".strip()
+
+
+def _label(s: Summary) -> str:
+    return f"{_name(s)} width={s.width} T={s.sampling}" + (" [distributed]" if s.executor == "distributed" else "")
+
+
+def _preferred(summaries: list[Summary]) -> list[Summary]:
+    """One summary per model and configuration: the executed one where it was also simulated."""
+    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset, s.model, truncation=s.truncation)
+              for s in summaries)
+    return list({id(s): s for s in chosen}.values())
+
+
+def acceptance(summaries: list[Summary], path: Path) -> Path | None:
+    """Acceptance rate per fill level (pipeline) or draft position (EAGLE-3): one row of panels per (T, width), one
+    line per configuration."""
+    shown = [s for s in _preferred(summaries) if s.fill_drafts]
+    panels = _panels(shown)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 3.6 * len(panels)), squeeze=False)
+    for block, row in zip(panels, axes):
+        for ax, kind, xlabel in ((row[0], "pipeline", "pipeline fill level"), (row[1], "draft", "draft position")):
+            for s in shown:
+                if s.block == block and getattr(s, kind) is not None:
+                    rates = [float("nan") if a is None else a for a in s.fill_acceptance]
+                    ax.plot(range(len(rates)), rates, marker="o", label=_name(s))
+            ax.set_title(block.title)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("acceptance rate")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
+    """Histogram of tokens committed per round of the draft-then-verify methods (a pipeline cycle commits at most
+    one), T=0, from executed records where the configuration was also simulated."""
+    groups: dict[str, dict[bool, Counter]] = {}
+    for row in rows:
+        if row["temperature"] == 0 and row.get("stats", {}).get("draft"):
+            name = f"{row['method']} " + " ".join(f"{k}={v}" for k, v in sorted(row["params"].items()))
+            counts = groups.setdefault(name, {}).setdefault(bool(row.get("simulated")), Counter())
+            counts.update(a for a in row["accepted"] if a > 0)
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(groups)
+    lengths: set[int] = set()
+    for i, (name, kinds) in enumerate(sorted(groups.items())):
+        counts = kinds[min(kinds)]  # executed (False) before simulated (True)
+        total = sum(counts.values())
+        xs = sorted(counts)
+        lengths.update(xs)
+        ax.bar([x + i * width for x in xs], [counts[x] / total for x in xs], width=width, label=name)
+    ax.set_xticks([x + (len(groups) - 1) * width / 2 for x in sorted(lengths)], sorted(lengths))
+    ax.set_xlabel("tokens committed per round")
+    ax.set_ylabel("share of rounds")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def speedups(summaries: list[Summary], path: Path) -> Path | None:
+    """Theoretical, modeled multi-device and wall-clock speedup per executed configuration (overall rows)."""
+    shown = [s for s in summaries
+             if s.method != "autoregressive" and not s.simulated and s.theoretical_speedup is not None]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(shown)))
+    kinds = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"), ("wall-clock", "wall_clock_speedup"))
+    for k, (name, attr) in enumerate(kinds):
+        values = [getattr(s, attr) or 0.0 for s in shown]
+        ax.barh([i + (k - 1) * 0.27 for i in range(len(shown))], values, height=0.27, label=name)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(shown)), [_label(s) for s in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over AR")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def cycle_breakdown(summaries: list[Summary], path: Path) -> Path | None:
+    """Stacked ms per cycle of each executed pipeline configuration: draft, stages, verification, the rest."""
+    shown = [(s, s.cycle_breakdown) for s in summaries]
+    shown = [(s, ms) for s, ms in shown if ms is not None]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(shown)))
+    left = [0.0] * len(shown)
+    for phase in ("draft", "stages", "verify", "other"):
+        values = [max(ms[phase], 0.0) for _, ms in shown]
+        ax.barh(range(len(shown)), values, left=left, label=phase)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_yticks(range(len(shown)), [_label(s) for s, _ in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per pipeline cycle (driver)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _panels(summaries: list[Summary]) -> list[Block]:
+    return sorted({s.block for s in summaries})
+
+
+def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, block: Block) -> tuple[list, list]:
+    """(x, theoretical speedup) along `axis` for one method at fixed parameters; executed runs before simulated."""
+    fixed = {**fixed, "width": block.width}
+    t, truncation = block.temperature, block.truncation
+    values = {s.params[axis] for s in summaries if axis in s.params and s.matches(method, fixed, t, truncation)}
+    found = {x: find(summaries, method, {**fixed, axis: x}, t, truncation=truncation) for x in values}
+    xs = sorted(x for x, s in found.items() if s.theoretical_speedup is not None)
+    return xs, [found[x].theoretical_speedup for x in xs]
+
+
+def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int]) -> Path | None:
+    """One panel per block (T, width), two per row, integer ticks on the x axis."""
+    if not panels:
+        return None
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, min(2, len(panels)), figsize=(10 if len(panels) > 1 else 5, 3.8 * rows),
+                             squeeze=False)
+    drawn = False
+    for ax, block in zip(axes.flat, panels):
+        drawn |= draw(ax, block)
+        ax.set_title(block.title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("theoretical speedup")
+        ax.set_xticks(ticks)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if not drawn:
+        plt.close(fig)
+        return None
+    return _save(fig, path)
+
+
+def speedup_over_n(summaries: list[Summary], path: Path) -> Path | None:
+    """Theoretical speedup vs pipeline stages n: SPD per Ls and PPSD as lines, EAGLE-3 per m as flat references."""
+    def draw(ax, block) -> bool:
+        lines = [(f"SPD Ls={ls}", _series(summaries, "spd", {"ls": ls, "schedule": "input"}, "n", block))
+                 for ls in sorted({s.params.get("ls") for s in summaries if s.method == "spd"})]
+        lines.append(("PPSD", _series(summaries, "ppsd", {}, "n", block)))
+        for name, (xs, ys) in lines:
+            if xs:
+                ax.plot(xs, ys, marker="o", label=name)
+        xs, ys = _series(summaries, "eagle3", {}, "m", block)
+        for m, y in zip(xs, ys):
+            ax.axhline(y, linestyle="--", linewidth=1, color="gray")
+            ax.annotate(f"EAGLE-3 m={m}", (4, y), fontsize=7, va="bottom")
+        return bool(ax.lines)
+
+    ns = sorted({s.params["n"] for s in summaries if s.method in ("spd", "ppsd") and "n" in s.params} | {4, 8, 16})
+    return _grid_of_panels(_panels(summaries), draw, "pipeline stages n", path, ns)
+
+
+def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
+    """SPD (input schedule) theoretical speedup vs drafter depth Ls, one line per n."""
+    def draw(ax, block) -> bool:
+        for n in sorted({s.params.get("n") for s in summaries if s.method == "spd"}):
+            xs, ys = _series(summaries, "spd", {"n": n, "schedule": "input"}, "ls", block)
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"SPD n={n}")
+        return bool(ax.lines)
+
+    return _grid_of_panels(_panels(summaries), draw, "drafter layers Ls", path, [1, 2, 3, 4])
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # legends placed beside the axes stay in the picture
+    plt.close(fig)
+    return path
+
+
+def learning_curves(train_rows: list[dict], path: Path) -> Path | None:
+    """Validation against target tokens seen, one line per drafter: top-1 on held-out text (left) and the replayed
+    decoding's acceptance on held-out prompts (right)."""
+    curves = [(f"{r['method']} {r['config_key'].split('-', 1)[-1]}", r["curve"]) for r in train_rows if r.get("curve")]
+    if not curves:
+        return None
+    fig, (text, decoding) = plt.subplots(1, 2, figsize=(11, 4), squeeze=True)
+    for label, curve in curves:
+        tokens = [point["tokens"] / 1000 for point in curve]
+        text.plot(tokens, [point["top1"] for point in curve], marker="o", label=label)
+        if all("decoding" in point for point in curve):
+            decoding.plot(tokens, [point["decoding"]["acceptance"] for point in curve], marker="o", label=label)
+    for ax, title in ((text, "top-1 on held-out text"), (decoding, "decoding acceptance on held-out prompts")):
+        ax.set_xlabel("target tokens seen (thousands)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    text.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

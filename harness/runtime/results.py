@@ -1,0 +1,228 @@
+"""Result records and the append-only JSONL store they live in.
+
+A record is one sample of one run configuration. Lines are appended with one write each and flushed to disk, so a
+killed run leaves at most one torn final line. Readers never modify a file: they skip an unterminated final line.
+Only a writer repairs it, under an exclusive lock held for its whole run and after every complete line parsed as a
+record (so a file that is not a results file is never touched); a second writer on the same file is refused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harness.runtime.errors import HarnessError
+
+
+def config_key(spec: dict) -> str:
+    """Stable short hash of everything that defines a run (method, params, model, sampling, length, seed, dtype, device)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def append_line(path: Path, row: dict) -> None:
+    """Append one JSON line with a single write, flushed to disk: a kill leaves at most a torn last line."""
+    line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Record:
+    method: str
+    params: dict
+    model: dict
+    dataset: str
+    question_id: int | str
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    dtype: str
+    device: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_text: str
+    new_tokens: int
+    steps: int
+    accepted: list[int]
+    position_accepts: list[int]
+    timing: dict
+    lossless: dict
+    config_key: str
+    versions: dict
+    simulated: bool = False  # acceptance replayed on the AR output (no timing, no losslessness check)
+    stats: dict = field(default_factory=dict)
+    baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
+    prompt_source: dict = field(default_factory=dict)  # the prompt set's origin (file, package + version) and sha256
+
+    @property
+    def sample_key(self) -> tuple[str, str, str]:
+        return self.config_key, self.dataset, str(self.question_id)
+
+
+class ResultStore:
+    """Append-only JSONL file of records; created on the first append only."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def load(self) -> list[dict]:
+        """Every complete record; an unterminated final line (a write still in progress, or killed) is skipped."""
+        if not self.path.exists():
+            return []
+        try:
+            data = self.path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise self._unreadable(exc) from None
+        *lines, tail = data.split("\n")
+        rows = [self._parse(line, number) for number, line in enumerate(lines, 1) if line.strip()]
+        last = self._complete(tail)
+        return rows + ([last] if last is not None else [])
+
+    @staticmethod
+    def _complete(tail: str) -> dict | None:
+        """An unterminated last line that is a whole record (a file edited or copied without its final newline), or
+        None (a write in progress or cut short)."""
+        try:
+            row = json.loads(tail)
+        except ValueError:
+            return None
+        return row if isinstance(row, dict) and "config_key" in row else None
+
+    @contextmanager
+    def writing(self) -> Iterator[ResultStore]:
+        """Hold the file for one run: refuse a concurrent writer, repair a torn tail of this (recognised) file, and
+        remove the file again if the run appended nothing to a file it created."""
+        created = not self.path.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._unreadable(exc) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise HarnessError(f"results file {self.path} is being written by another spd-bench run; wait for it "
+                                   f"to finish or pass another --out") from None
+            self.load()  # every complete line is a record: this is a results file, ours to repair
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, size, 0)
+            if data and not data.endswith(b"\n"):
+                cut = data.rfind(b"\n") + 1
+                if self._complete(data[cut:].decode("utf-8", "replace")) is not None:
+                    os.pwrite(fd, b"\n", size)  # a whole record that only lacks its newline
+                else:
+                    os.ftruncate(fd, cut)  # the remains of a write that was cut short
+            yield self
+        finally:
+            if created and os.fstat(fd).st_size == 0:
+                self.path.unlink(missing_ok=True)
+            os.close(fd)
+    def finished(self) -> set[tuple[str, str, str]]:
+        return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in self.load()}
+
+    def append(self, record: Record | dict) -> None:
+        append_line(self.path, record if isinstance(record, dict) else asdict(record))
+
+    def _unreadable(self, exc: Exception) -> HarnessError:
+        return HarnessError(f"cannot read results file {self.path} ({exc}); fix its permissions or pass another --out")
+
+    def _parse(self, line: str, number: int) -> dict:
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "config_key" not in row:
+                raise ValueError
+            return row
+        except ValueError:
+            raise HarnessError(
+                f"{self.path}:{number}: not a result record; move the file aside or delete that line"
+            ) from None
+
+
+def load_training(results: Path) -> list[dict]:
+    """The drafter training records (`spd-bench train`) in a results file or folder, the latest per drafter."""
+    results = Path(results)
+    files = [results] if results.is_file() else sorted(results.rglob("train.jsonl"))
+    latest = {}
+    for row in (row for f in files for row in ResultStore(f).load() if row.get("kind") == "train"):
+        latest[(row["model"]["name"], row["config_key"])] = row
+    return list(latest.values())
+
+
+def claims_to_be_results(path: Path) -> bool:
+    """A file whose first line is a record of ours (a Spec-Bench or reference export, say, is not): only such a file
+    is refused when a later line is not a record."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline()
+        row = json.loads(first)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(row, dict) and "config_key" in row
+
+
+@dataclass
+class Loaded:
+    """The sample records under a results path, one per (config key, dataset, question id), and what was left out."""
+
+    rows: list[dict]
+    duplicates: int  # records of a sample already found (two runs on one file, say): counted once
+    foreign: list[Path]  # JSONL files that are not results files (exports, other tools' output): skipped
+
+
+def load_all(results: Path) -> Loaded:
+    """Every sample record in a results file or in all *.jsonl files under a folder (the first found of a sample)."""
+    results = Path(results)
+    if not results.exists():
+        raise HarnessError(f"results path {results} does not exist; run `spd-bench run` first or pass --results")
+    if results.is_file():
+        files, foreign = [results], []
+    else:
+        candidates = sorted(results.rglob("*.jsonl"))
+        foreign = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
+        files = [f for f in candidates if f not in foreign]
+    found = [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
+    unique = {}
+    for row in found:
+        unique.setdefault((row["config_key"], row.get("dataset"), str(row.get("question_id"))), row)
+    return Loaded(list(unique.values()), len(found) - len(unique), foreign)
+
+
+def code_notes(rows: list[dict], current: dict) -> list[str]:
+    """What a reader should know about the code the records come from: several commits, commits other than this
+    checkout's (`current`: code_identity()), modified trees, or records older than the commit field."""
+    commits: dict[str, int] = {}
+    modified = unknown = 0
+    for row in rows:
+        version = row.get("versions") or {}
+        if not version.get("commit"):
+            unknown += 1
+            continue
+        commits[version["commit"]] = commits.get(version["commit"], 0) + 1
+        modified += bool(version.get("modified"))
+    notes = []
+    if len(commits) > 1:
+        listed = ", ".join(f"{c[:10]} ({k})" for c, k in sorted(commits.items(), key=lambda item: -item[1]))
+        notes.append(f"the records come from {len(commits)} commits: {listed}")
+    other = sum(k for c, k in commits.items() if c != current.get("commit"))
+    if other and current.get("commit"):
+        notes.append(f"{other} of {len(rows)} records were made at another commit than this checkout's "
+                     f"({current['commit'][:10]}): rerun them to measure this code")
+    if modified:
+        notes.append(f"{modified} records were made from a modified tree (uncommitted changes)")
+    if unknown:
+        notes.append(f"{unknown} records carry no commit (made before records named their code)")
+    return notes

@@ -1,0 +1,157 @@
+"""EAGLE-3: a trained one-layer head drafts m tokens (a chain, or a beam tree of width W) from fused target
+features and its own states; the target verifies every candidate in ONE forward with a tree attention mask, keeps
+the longest accepted path (its KV compacted into place) and adds one bonus token per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, register
+from methods.eagle3.head import LAYOUTS, EagleHead, HeadSession, head_tag, load_head, train_command
+from methods.eagle3.replay import chain_accepts, replay_rounds
+from methods.rounds import Node, Rounds, rounds_on_trajectory, target_prefill, verify_round
+from methods.sampling import Sampler
+from methods.teacher import Teacher
+
+
+@dataclass(frozen=True)
+class EagleParams:
+    m: int = 7  # draft depth per round
+    width: int = 1  # 1: a chain; W: the W best branches per depth by cumulative draft log-probability
+    ttt: int = 7  # which trained head: the training-time-test depth it was trained with
+    # which kind of head: the harness's own or the EAGLE-3 authors' layer (eagle_head.py)
+    layout: str = field(default="harness", metadata=RECORDED_WHEN_SET)
+
+    def __post_init__(self):
+        if min(self.m, self.width, self.ttt) < 1:
+            raise ValueError(f"m, width and ttt must be >= 1, got m={self.m}, width={self.width}, ttt={self.ttt}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+
+    @property
+    def tag(self) -> str:
+        return head_tag(self.ttt, self.layout)
+
+
+@register
+class EAGLE3(Method):
+    name = "eagle3"
+    Params = EagleParams
+    trainable = True
+
+    @classmethod
+    def training_specs(cls, values: dict[str, list]) -> list:
+        """One head per training-time-test depth and layout."""
+        from methods.objectives import EagleSpec
+
+        default = cls.Params()
+        layouts = values.get("layout") or [default.layout]
+        if any(layout not in LAYOUTS for layout in layouts):
+            raise ValueError(f"the EAGLE-3 layout must be one of {', '.join(LAYOUTS)}, got {layouts}")
+        return [EagleSpec(ttt, layout) for ttt in values.get("ttt") or [default.ttt] for layout in layouts]
+
+    @classmethod
+    def theoretical_speedup(cls, summary) -> float | None:
+        """tau * L / (Ls * m + L): a round drafts m tokens through the head's Ls layers, then one target forward."""
+        shape = summary.draft
+        if shape is None or summary.tokens_per_step is None:
+            return None
+        return summary.tokens_per_step * shape["num_layers"] / (shape["ls"] * shape["m"] + shape["num_layers"])
+
+    @classmethod
+    def drafter(cls, params: EagleParams) -> tuple[str, str]:
+        return params.tag, train_command(params.ttt, params.layout)
+
+    def __init__(self, target, params: EagleParams, stop_ids, checkpoint=None, head: EagleHead | None = None):
+        super().__init__(target, params, stop_ids, checkpoint)
+        self.head = head or load_head(target, params.ttt, params.layout, checkpoint)
+        self.layers = self.head.config.all_feature_layers()
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        timer = Timer(self.target.device)
+        first, captured = self.prefill(prompt_ids, sampler, timer)
+        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
+
+    def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
+        """The prompt's target forward: the first token and the head's feature layers over the prompt."""
+        return target_prefill(self.target, self.layers, prompt_ids, sampler, timer)
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """Chains: every round's acceptance from one batched training-time-test forward (methods/eagle3/replay.py).
+        Trees: the real drafting rounds, verified against the trajectory instead of a target forward. Tree drafts
+        are deterministic and the sibling rule emits a sample of p, accepting iff it is a candidate, so at T>0 the
+        replay is a sample of the executed process (its expected acceptance is the realised one: the target's
+        distributions off the trajectory are not known)."""
+        if self.params.width == 1:
+            teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
+            accepts = chain_accepts(self.head, teacher, self.params.m)
+            return replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids, self._shape())
+        return rounds_on_trajectory(
+            lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
+                                                              verify),
+            self.target, prompt_ids, trajectory, self.layers, sampler)
+
+    def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
+                timer: Timer, verify) -> Generation:
+        """Draft, verify (`verify(nodes, last, base, sampler)` -> path, bonus, features), commit, until done."""
+        with timer("prefill"):
+            head = HeadSession.started(self.head, self.target.max_len, prompt_ids, first, captured)
+        rounds = Rounds([first], self.params.m, max_new_tokens, self.stop_ids)
+        candidates = 0
+        with timer("decode"):
+            while not rounds.done:
+                base = len(prompt_ids) + rounds.base  # position of the newest committed token
+                with timer("drafter"):
+                    nodes = self._draft(head, base, sampler)
+                with timer("verify"):
+                    path, bonus, features = verify(nodes, rounds.output[-1], base, sampler)
+                new = rounds.commit_path(nodes, path, bonus)
+                candidates += len(nodes)
+                with timer("drafter"):
+                    features = {layer: h[:, : len(new)] for layer, h in features.items()}
+                    head.append(new, features, start=base + 1)
+        return rounds.generation(timer.totals, {"candidates": candidates, "draft": self._shape()})
+
+    def _shape(self) -> dict:
+        return {"num_layers": self.target.num_layers, "ls": 1, "m": self.params.m, "width": self.params.width}
+
+    # --- drafting -------------------------------------------------------------------------------------------------
+    def _draft(self, head: HeadSession, base: int, sampler: Sampler) -> list[Node]:
+        """m levels of candidates after the root, parents before children (at most W per level)."""
+        width = self.params.width
+        nodes: list[Node] = []
+        frontier, states = [-1], head.root
+        for depth in range(1, self.params.m + 1):
+            logits = self.head.full_vocab(self.head.head_logits(states))[0]  # [len(frontier), V]
+            level = self._children(nodes, frontier, logits, depth, width, sampler)
+            if depth == self.params.m:
+                break
+            states = head.draft_rows(nodes, level, base)
+            for i, index in enumerate(level):
+                nodes[index].state = states[:, i : i + 1]
+            frontier = level
+        return nodes
+
+    def _children(self, nodes: list[Node], frontier: list[int], logits: torch.Tensor, depth: int, width: int,
+                  sampler: Sampler) -> list[int]:
+        """Add the next level: a sampled token (chain, T > 0) or the `width` best children by cumulative score."""
+        start = len(nodes)
+        if width == 1 and not sampler.greedy:
+            q = sampler.probs(logits[0])
+            nodes.append(Node(sampler.draw(q), frontier[0], depth, q=q))
+            return [start]
+        scores = [nodes[i].score if i >= 0 else 0.0 for i in frontier]
+        for row, token, score in sampler.best_children(logits, scores, width):
+            nodes.append(Node(token, frontier[row], depth, score))
+        return list(range(start, len(nodes)))
+
+    # --- verification ---------------------------------------------------------------------------------------------
+    def _verify(self, nodes: list[Node], last: int, base: int, sampler: Sampler):
+        return verify_round(self.target, self.layers, nodes, last, base, sampler)
+

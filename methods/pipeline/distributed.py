@@ -1,0 +1,244 @@
+"""The distributed stage executor: one process per pipeline stage on torch.distributed.
+
+Rank 0 is the driver: the scheduler, the drafter, the embedding and the verification head live there, as in the
+reference's runner, so drafting and verification never queue behind a stage's layers and a stage rank holds only
+its own layers. Rank k (1..n) runs stage k-1. Every operation starts with a broadcast of a small control vector from
+the driver; hidden states travel point to point, driver -> stage -> driver, so in a pipeline step every stage
+computes at once and the step lasts as long as the slowest stage plus the transfers. The driver keeps the features
+the drafter reads (a stage sends its output and the captured layers back), which is why the exchange is a star and
+not a chain.
+
+The prompt's prefill is staged through the ranks one after another (the same layers the pipeline uses, so no rank
+ever holds another's weights). Truncation, sibling moves and resets are broadcast; every rank applies them to its
+own caches, attention KV and linear-attention snapshots alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from harness.runtime.errors import HarnessError
+from harness.runtime.target import TargetRuntime
+from methods.pipeline.executor import StageExecutor
+from methods.pipeline.tree import Level, Token, is_chain
+
+RESET, PREFILL, ADVANCE, TRUNCATE, MOVE, STATS, STOP = range(7)
+HEADER = 4  # control vector: [op, a, b, c] then per-stage token counts and positions (ADVANCE)
+
+
+@dataclass
+class StagePlan:
+    """What every stage rank needs to build its part of the target (sent once by the driver)."""
+
+    model: str
+    dtype: str
+    weights_sha256: str
+    bounds: list[tuple[int, int]]
+    capture: tuple[int, ...]
+    max_len: int
+    rewind_window: int
+
+    @property
+    def n(self) -> int:
+        return len(self.bounds)
+
+    def server(self, rank: int, device: str, wire: torch.device) -> StageServer:
+        """What a served rank runs under this plan (harness/runtime/distributed.py): stage rank - 1."""
+        return StageServer(self, rank, device, wire)
+
+    def wanted(self, stage: int) -> tuple[int, ...]:
+        """Captured layers a stage returns besides its output (h[0] is the driver's embedding)."""
+        lo, hi = self.bounds[stage]
+        return tuple(layer for layer in self.capture if lo < layer <= hi)
+
+
+class DistributedExecutor(StageExecutor):
+    """Driver side: sends each level to its stage's rank and collects outputs and features."""
+
+    def __init__(self, group, target: TargetRuntime, bounds: list[tuple[int, int]],
+                 capture: tuple[int, ...], width: int, dtype: str):
+        super().__init__(target, bounds, capture, width)
+        if group.world_size != self.n + 1:
+            raise HarnessError(f"the process group has {group.world_size} ranks; --n {self.n} needs {self.n + 1} "
+                               f"(one driver and one per stage)")
+        self.group = group
+        self.plan = StagePlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
+                              bounds, capture, target.max_len, target.rewind_window)
+        group.start(self.plan)  # only now are the ranks waited for: a group of the wrong size never is
+        self.stage_seconds = [0.0] * self.n
+
+    # --- wire -------------------------------------------------------------------------------------------------
+    def _guarded(self, action):
+        return self.group.guarded(action, "stage")
+
+    def _control(self, op: int, *args: int, counts=(), positions=()) -> None:
+        vector = torch.zeros(HEADER + 2 * self.n, dtype=torch.long)
+        vector[0] = op
+        vector[1: 1 + len(args)] = torch.tensor(args, dtype=torch.long)
+        if counts:
+            vector[HEADER: HEADER + self.n] = torch.tensor(counts)
+            vector[HEADER + self.n:] = torch.tensor(positions)
+        self._guarded(lambda: dist.broadcast(vector.to(self.group.wire), src=0))
+
+    def _exchange(self, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]]) -> None:
+        """Post every send and receive at once, then wait: the stages of one step compute concurrently."""
+        wire = self.group.wire
+
+        def run():
+            works = [dist.isend(t.to(wire).contiguous(), dst=rank) for rank, t in outgoing]
+            works += [dist.irecv(buffer, src=rank) for rank, buffer in incoming]
+            for work in works:
+                work.wait()
+
+        self._guarded(run)
+
+    def _buffer(self, stage: int, tokens: int) -> torch.Tensor:
+        rows = 1 + len(self.plan.wanted(stage))
+        return torch.empty(rows, tokens, self.target.config.hidden_size, dtype=self.target.dtype,
+                           device=self.group.wire)
+
+    def _unpack(self, stage: int, packed: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        packed = packed.to(self.device)
+        return packed[0:1], {layer: packed[i + 1: i + 2] for i, layer in enumerate(self.plan.wanted(stage))}
+
+    # --- StageExecutor ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._control(RESET)
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        h = self.target.embed(torch.tensor(prompt_ids, device=self.device))
+        captured = {0: h} if 0 in self.capture else {}
+        for stage in range(self.n):
+            self._control(PREFILL, stage, len(prompt_ids))
+            packed = self._buffer(stage, len(prompt_ids))
+            self._exchange([(stage + 1, h)], [(stage + 1, packed)])
+            h, layers = self._unpack(stage, packed)
+            captured.update(layers)
+        return self.target.logits(h)[-1], captured
+
+    def advance(self, levels: list[Level]) -> None:
+        chain, base = is_chain(levels), levels[0][0].position
+        kv_end = base + self.n * self.width
+        counts, positions = [0] * self.n, [0] * self.n
+        outgoing, incoming = [], []
+        for level in levels:
+            stage, rank = level[0].depth, level[0].depth + 1
+            counts[stage], positions[stage] = len(level), level[0].position
+            call = self.stage_call(level, chain, base, kv_end)
+            outgoing.append((rank, call.hidden))
+            if not chain:
+                outgoing += [(rank, call.slots), (rank, call.mask.to(torch.uint8)), (rank, call.parents)]
+            incoming.append((rank, self._buffer(stage, len(level))))
+        self._control(ADVANCE, int(chain), kv_end, counts=counts, positions=positions)
+        self._exchange(outgoing, incoming)
+        for level, (_, packed) in zip(levels, incoming):
+            self.absorb(level, *self._unpack(level[0].depth, packed))
+
+    def verification_logits(self, finished: Token) -> torch.Tensor:
+        return self.target.logits(finished.hidden)[0]
+
+    def truncate(self, position: int) -> None:
+        self._control(TRUNCATE, position)
+
+    def commit(self, chosen: Token) -> None:
+        if chosen.slot != chosen.position:
+            self._control(MOVE, chosen.slot, chosen.position)
+            chosen.slot = chosen.position
+
+    def report(self) -> dict:
+        """Executor, world size, devices and each stage's forward seconds in this generation's pipeline steps."""
+        self._control(STATS)
+        seconds = [torch.zeros(1, dtype=torch.float64, device=self.group.wire) for _ in range(self.n)]
+        self._exchange([], [(stage + 1, t) for stage, t in enumerate(seconds)])
+        return {"kind": "distributed", "backend": self.group.backend, "world_size": self.group.world_size,
+                "devices": self.group.devices, "stage_forward_s": [round(float(t), 6) for t in seconds]}
+
+    def close(self) -> None:
+        self._control(STOP)
+
+
+# --- stage ranks ------------------------------------------------------------------------------------------------
+def load_stage(plan: StagePlan, stage: int, device: str) -> TargetRuntime:
+    """The target with only this stage's layers kept (loaded on the host, then the kept part moved to `device`)."""
+    from transformers.utils import logging as hf_logging
+
+    from harness.runtime.models import load_model
+
+    hf_logging.disable_progress_bar()  # n ranks loading at once would print n bars
+    loaded = load_model(plan.model, "cpu", plan.dtype, tokenizer=False)
+    if plan.weights_sha256 and loaded.identity.weights_sha256 != plan.weights_sha256:
+        raise HarnessError(f"model {plan.model} on this rank has weights {loaded.identity.weights_sha256[:12]}, "
+                           f"the driver's are {plan.weights_sha256[:12]}; give every machine the same files")
+    model, (lo, hi) = loaded.model, plan.bounds[stage]
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if not lo <= i < hi:
+            layers[i] = torch.nn.Identity()  # keeps layer indices (and their cache slots) meaningful
+    model.model.embed_tokens = None
+    model.lm_head = None
+    model.to(device)
+    return TargetRuntime(model, max_len=plan.max_len, rewind_window=plan.rewind_window, identity=loaded.identity)
+
+
+class StageServer:
+    """One stage rank's loop: wait for the driver's control vector, apply it, answer when asked."""
+
+    def __init__(self, plan: StagePlan, rank: int, device: str, wire: torch.device):
+        self.rank, self.stage, self.wire = rank, rank - 1, wire
+        self.plan = plan
+        self.runtime = load_stage(self.plan, self.stage, device)
+        self.lo, self.hi = self.plan.bounds[self.stage]
+        self.wanted = self.plan.wanted(self.stage)
+        self.seconds = 0.0
+
+    def serve(self) -> None:
+        vector = torch.zeros(HEADER + 2 * self.plan.n, dtype=torch.long, device=self.wire)
+        while True:
+            dist.broadcast(vector, src=0)
+            op, a, b = (int(v) for v in vector[:3])
+            if op == STOP:
+                return
+            if op == RESET:
+                self.runtime.reset()
+                self.seconds = 0.0
+            elif op == TRUNCATE:
+                self.runtime.truncate(a)
+            elif op == MOVE:
+                self.runtime.cache.move(torch.tensor([a], device=self.runtime.device), b)
+            elif op == STATS:
+                dist.send(torch.tensor([self.seconds], dtype=torch.float64, device=self.wire), dst=0)
+            elif op == PREFILL and a == self.stage:
+                self._forward(b, torch.arange(b), chain=True, kv_end=b, step=False)
+            elif op == ADVANCE:
+                count = int(vector[HEADER + self.stage])
+                if count:
+                    position = int(vector[HEADER + self.plan.n + self.stage])
+                    self._forward(count, torch.full((count,), position), chain=bool(a), kv_end=b)
+
+    def _receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
+        dist.recv(buffer, src=0)
+        return buffer.to(self.runtime.device)
+
+    def _forward(self, count: int, positions: torch.Tensor, chain: bool, kv_end: int, step: bool = True) -> None:
+        """Run this stage's layers on what the driver sends and return output and features; pipeline steps (not the
+        prefill) count towards the stage's forward seconds."""
+        runtime = self.runtime
+        h = self._receive((1, count, runtime.config.hidden_size), runtime.dtype)
+        slots = mask = parents = None
+        if not chain:
+            slots = self._receive((count,), torch.long)
+            mask = self._receive((count, kv_end), torch.uint8).bool()
+            parents = self._receive((count,), torch.long)
+        start = time.perf_counter()
+        out, captured = runtime.run_layers(self.lo, self.hi, h, positions, slots=slots, mask=mask, parents=parents,
+                                           capture=self.wanted)
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize(runtime.device)
+        self.seconds += (time.perf_counter() - start) if step else 0.0
+        packed = torch.cat([out, *(captured[layer] for layer in self.wanted)], dim=0)
+        dist.send(packed.to(self.wire).contiguous(), dst=0)

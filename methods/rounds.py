@@ -1,0 +1,169 @@
+"""The draft-then-verify kit EAGLE-3, SSD and prompt lookup share: a round's drafted nodes and their tree mask, the
+target's prefill, ONE verification forward over a round's candidates, and the bookkeeping that commits a round.
+
+A round drafts nodes (a chain or a tree, parents before children) after the newest committed token; the target
+verifies all of them in one forward with a tree attention mask, keeps the longest accepted path (its KV compacted
+into place) and adds one bonus token. `Rounds` commits what a round accepted and counts it the same way for every
+method that runs rounds, executed or replayed on a trajectory (methods/teacher.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.runtime.target import TargetRuntime
+from methods.base import Generation, Timer, commit
+from methods.sampling import Sampler
+from methods.teacher import Teacher
+from methods.verify import chain_rejection, verify_tree
+
+
+@dataclass(eq=False)
+class Node:
+    """A drafted token: its parent (index into the round's nodes, -1 for the root), depth and branch score."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float = 0.0
+    q: torch.Tensor | None = None  # the distribution it was sampled from (sampled chain, T > 0)
+    state: torch.Tensor | None = None  # the drafter's output for this node's row [1, 1, D]
+
+
+def chain(tokens: list[int]) -> list[Node]:
+    """Deterministic drafts as a chain of nodes (no draft distribution: the verifier treats each as a point mass)."""
+    return [Node(token, i - 1, i + 1) for i, token in enumerate(tokens)]
+
+
+def tree_mask(nodes: list[Node], rows: list[int], prefix: int, first_slot: int, kv_end: int) -> torch.Tensor:
+    """[rows, kv_end]: slots below `prefix` plus, for row i (-1: the root), node i's ancestors and itself, node j
+    sitting in slot first_slot + j."""
+    mask = torch.zeros(len(rows), kv_end, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for r, i in enumerate(rows):
+        while i >= 0:
+            mask[r, first_slot + i] = True
+            i = nodes[i].parent
+    return mask
+
+
+@dataclass
+class Rounds:
+    """One generation's committed tokens and its per-round counts: tokens committed by each round and accepted drafts
+    per draft position (position k counts rounds whose k-th draft was committed)."""
+
+    output: list[int]
+    depth: int  # the most drafts a round can accept
+    max_new_tokens: int
+    stop_ids: set[int]
+    accepted: list[int] = field(default_factory=list)
+    position_accepts: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.position_accepts = [0] * self.depth
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens or self.output[-1] in self.stop_ids
+
+    @property
+    def base(self) -> int:
+        """Committed tokens after the first: the newest one's position is the prompt length plus this."""
+        return len(self.output) - 1
+
+    def commit(self, tokens: list[int], count: int) -> list[int]:
+        """Commit a round's tokens, its `count` accepted drafts and the bonus token after them (up to the budget and
+        the first stop id); returns the tokens committed."""
+        new = commit(self.output, tokens, self.max_new_tokens, self.stop_ids)
+        self.accepted.append(len(new))
+        for k in range(min(count, len(new))):
+            self.position_accepts[k] += 1
+        return new
+
+    def commit_path(self, nodes: list[Node], path: list[int], bonus: int) -> list[int]:
+        """Commit the accepted path of a round's nodes and its bonus token."""
+        return self.commit([nodes[i].token for i in path] + [bonus], len(path))
+
+    def generation(self, timing: dict[str, float], stats: dict) -> Generation:
+        return Generation(output_ids=self.output, steps=len(self.accepted), accepted=self.accepted,
+                          position_accepts=self.position_accepts, timing=timing, stats=stats)
+
+
+def target_prefill(target: TargetRuntime, layers: tuple[int, ...], prompt_ids: list[int], sampler: Sampler,
+                   timer: Timer) -> tuple[int, dict]:
+    """The prompt's target forward: the first token and the hidden states at `layers` over the prompt."""
+    target.reset()
+    with timer("prefill"):
+        logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, layers)
+        return sampler.pick(logits[-1]), captured
+
+
+def verify_round(target: TargetRuntime, layers: tuple[int, ...], nodes: list[Node], last: int, base: int,
+                 sampler: Sampler):
+    """One target forward over the root and every candidate; returns (accepted node path, next token, target
+    features at `layers` of the root and the path rows)."""
+    device = target.device
+    ids = torch.tensor([last] + [n.token for n in nodes], device=device)
+    positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
+    is_chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
+    slots = mask = parents = None
+    # Rows see the prefix plus their own branch; slots base + 1 + i hold the candidates. Linear-attention layers
+    # take even a chain level by level, so the state after each accepted candidate is there whatever is accepted.
+    if not is_chain or target.has_linear_layers:
+        slots = base + torch.arange(len(ids), device=device)
+        mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
+        parents = torch.tensor([base - 1] + [base + 1 + n.parent if n.parent >= 0 else base for n in nodes],
+                               device=device)
+    h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
+                                    parents=parents, capture=layers)
+    logits = target.logits(h)
+    path, bonus = _accept(nodes, logits, sampler)
+    if path and path != list(range(len(path))):  # the accepted branch's KV (and linear states) move
+        target.cache.move(torch.tensor([base + 1 + i for i in path], device=device), base + 1)
+    target.truncate(base + 1 + len(path))  # the rejected candidates' linear states go
+    rows = [0] + [i + 1 for i in path]
+    return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
+
+
+def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+    parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
+    if sampler.greedy:
+        return verify_tree(parents, tokens, None, logits.argmax(-1).tolist())
+    p = sampler.probs(logits)
+    if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
+        count, token = chain_rejection(tokens, torch.stack([n.q for n in nodes]), p, sampler.generator)
+        return list(range(count)), token
+    return verify_tree(parents, tokens, p, None, sampler.generator)
+
+
+def trajectory_verifier(teacher: Teacher):
+    """Tree verification that reads the trajectory instead of running the target: the accepted path is the branch
+    that follows it and the bonus its next token (T=0: the argmax; T>0: the sampled token, see EAGLE3.simulate)."""
+
+    def verify(nodes, last: int, base: int, sampler):
+        on_path = []  # is node i's branch the trajectory up to and including it?
+        argmax = [teacher.token(base + 1)]
+        for node in nodes:
+            parent_ok = node.parent < 0 or on_path[node.parent]
+            position = base + node.depth
+            on_path.append(parent_ok and position < teacher.length and node.token == teacher.token(position))
+            argmax.append(teacher.token(position + 1) if on_path[-1] and position + 1 < teacher.length else -1)
+        path, bonus = verify_tree([n.parent for n in nodes], [n.token for n in nodes], None, argmax)
+        features = {layer: h[:, base: base + len(path) + 1] for layer, h in teacher.features.items()}
+        return path, bonus, features
+
+    return verify
+
+
+def rounds_on_trajectory(rounds, target, prompt_ids: list[int], trajectory: list[int], layers: tuple[int, ...],
+                         sampler) -> Generation:
+    """A method's real drafting rounds, `rounds(first, prompt_features, timer, verify)`, with the trajectory in place of
+    the target's verification forward (trajectory_verifier); the realised acceptance is the expected one."""
+    teacher = Teacher.run(target, prompt_ids, trajectory, layers, sampler)
+    start = teacher.prompt_len
+    prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
+    generation = rounds(teacher.token(start), prefix, Timer(target.device), trajectory_verifier(teacher))
+    generation.stats["expected_accepts"] = float(sum(generation.position_accepts))
+    return generation

@@ -1,0 +1,213 @@
+"""SSD across two processes: the target verifies on the driver while the drafter, in a rank of its own, drafts the
+speculation cache for the next round (methods/ssd/method.py holds the algorithm; this file moves it across ranks).
+
+Per generation the driver sends the prompt's target features after its prefill (those the drafter reads: a head's
+layers, none for a draft model). Per round the drafter sends the round's drafts, drafts the cache while the driver
+verifies them, then receives the outcome (accepted count, bonus token, the committed tokens and their features),
+updates its state and answers with the next round's drafts: from the cache on a hit, from the fallback on a miss.
+Drafting the cache overlaps verification for real; what the driver waits for between rounds is the update plus the
+lookup, or the fallback. At the end of a generation the drafter reports its seconds per round, from which the
+driver models the overlap as the one-process run does. Every message is point to point between rank 0 and rank 1
+and every wait is bounded by the run deadline (harness/runtime/distributed.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from harness.runtime.errors import HarnessError
+from harness.runtime.target import TargetRuntime
+from methods.base import Timer
+from methods.rounds import Node
+from methods.sampling import Sampler, SamplingConfig
+from methods.ssd.drafters import build_drafter
+
+START, OUTCOME, STOP = range(3)
+HEADER = 6  # control vector: [op, a, b, c, d, e]
+STATS = ("cache_hits", "fallback_drafts", "speculated", "speculate", "fallback", "head_update")
+ROUND_SECONDS = ("fallback", "speculate", "head_update")  # the drafter's per round, for the modeled time
+
+
+@dataclass
+class DrafterPlan:
+    """What the drafter rank needs to build its side (sent once by the driver)."""
+
+    model: str
+    dtype: str
+    weights_sha256: str
+    params: object  # SSDParams
+    checkpoint: str | None
+    max_len: int
+    speculation: type  # the driver's Speculation class: a variant (a test's oracle) drafts the same way there
+    state: dict  # its constructor arguments beyond the drafter and params (Speculation.plan_state)
+
+    def server(self, rank: int, device: str, wire: torch.device) -> DrafterServer:
+        """What a served rank runs under this plan (harness/runtime/distributed.py)."""
+        return DrafterServer(self, device, wire)
+
+
+class RemoteDrafter:
+    """Driver side: hands the drafter rank each generation's prompt and each round's outcome, receives drafts."""
+
+    def __init__(self, group, method, dtype: str):
+        if group.world_size != 2:
+            raise HarnessError(f"the process group has {group.world_size} ranks; ssd needs 2 (driver and drafter)")
+        target = method.target
+        self.wire, self.target, self.layers, self.k = group.wire, target, tuple(method.drafter.layers), method.params.k
+        self.report = {"kind": "distributed", "backend": group.backend, "world_size": group.world_size,
+                       "devices": group.devices}  # the record's executor (the report labels such runs)
+        speculation = method.speculation
+        plan = DrafterPlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
+                           method.params, method.checkpoint, target.max_len, type(speculation), speculation.plan_state())
+        self.group = group
+        group.start(plan)
+
+    def _guarded(self, action):
+        return self.group.guarded(action, "drafter")
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        self._guarded(lambda: dist.send(tensor.to(self.wire).contiguous(), dst=1))
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
+        self._guarded(lambda: dist.recv(buffer, src=1))
+        return buffer.to(self.target.device)
+
+    def _header(self, *values: int) -> None:
+        vector = torch.zeros(HEADER, dtype=torch.long)
+        vector[: len(values)] = torch.tensor(values, dtype=torch.long)
+        self._send(vector)
+
+    def _features(self, captured: dict[int, torch.Tensor]) -> None:
+        if self.layers:  # a draft model reads none
+            self._send(torch.cat([captured[layer] for layer in self.layers], dim=0))
+
+    def start(self, prompt_ids: list[int], first: int, captured: dict, sampler: Sampler) -> None:
+        """A generation: the prompt, its first token and the head's features over the prompt; the drafter's own
+        sampler is seeded from the driver's, so a seeded run repeats."""
+        seed = 0 if sampler.greedy else int(torch.randint(2**62, (1,), generator=sampler.generator))
+        config = sampler.config
+        self._header(START, len(prompt_ids), first, seed)
+        self._send(torch.tensor([config.temperature, config.top_k, config.top_p], dtype=torch.float64))
+        self._send(torch.tensor(prompt_ids, dtype=torch.long))
+        self._features(captured)
+
+    def drafts(self) -> list[Node]:
+        """The round's drafts, a chain (with the distributions they were sampled from at T > 0)."""
+        head = self._recv((2 + self.k,), torch.long)
+        count, sampled = int(head[0]), bool(head[1])
+        q = self._recv((count, self.target.config.vocab_size), torch.float32) if sampled and count else None
+        return [Node(int(head[2 + i]), i - 1, i + 1, q=None if q is None else q[i]) for i in range(count)]
+
+    def outcome(self, accepted: int, bonus: int, new: list[int], features: dict, done: bool) -> None:
+        self._header(OUTCOME, accepted, bonus, len(new), int(done))
+        self._send(torch.tensor(new, dtype=torch.long))
+        self._features(features)
+
+    def finish(self, rounds: int) -> tuple[list[int], dict[str, float], list[dict[str, float]]]:
+        """After the last outcome: which rounds hit the cache, the drafter's counts and seconds, and its seconds per
+        round (ROUND_SECONDS)."""
+        hits = self._recv((rounds,), torch.long).tolist()
+        stats = self._recv((len(STATS),), torch.float64).tolist()
+        per_round = self._recv((rounds, len(ROUND_SECONDS)), torch.float64).tolist()
+        return hits, dict(zip(STATS, stats)), [dict(zip(ROUND_SECONDS, row)) for row in per_round]
+
+    def close(self) -> None:
+        self._header(STOP)
+
+
+class DrafterServer:
+    """The drafter rank: SSD's drafter side (methods/ssd/speculate.py) drafting rounds and speculation caches."""
+
+    def __init__(self, plan: DrafterPlan, device: str, wire: torch.device):
+        from transformers.utils import logging as hf_logging
+
+        from harness.runtime.models import load_model
+
+        hf_logging.disable_progress_bar()
+        loaded = load_model(plan.model, device, plan.dtype, tokenizer=False)
+        if plan.weights_sha256 and loaded.identity.weights_sha256 != plan.weights_sha256:
+            raise HarnessError(f"model {plan.model} on the drafter rank has weights "
+                               f"{loaded.identity.weights_sha256[:12]}, the driver's are {plan.weights_sha256[:12]}; "
+                               f"give every machine the same files")
+        # A head reads only the target's embedding, final norm and rotary embedding (its frozen parts).
+        target = TargetRuntime(loaded.model, max_len=plan.max_len, identity=loaded.identity)
+        drafter = build_drafter(target, plan.params, plan.checkpoint)
+        self.speculation = plan.speculation(drafter, plan.params, **plan.state)
+        self.plan, self.wire, self.device = plan, wire, target.device
+        self.layers = tuple(drafter.layers)
+        self.hidden, self.dtype = target.config.hidden_size, target.dtype
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
+        dist.recv(buffer, src=0)
+        return buffer.to(self.device)
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor.to(self.wire).contiguous(), dst=0)
+
+    def _features(self, count: int) -> dict[int, torch.Tensor]:
+        if not self.layers:
+            return {}
+        packed = self._recv((len(self.layers), count, self.hidden), self.dtype)
+        return {layer: packed[i: i + 1] for i, layer in enumerate(self.layers)}
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        while True:
+            header = self._recv((HEADER,), torch.long).tolist()
+            if header[0] == STOP:
+                return
+            if header[0] != START:
+                raise HarnessError(f"drafter rank: expected a generation to start, got operation {header[0]}")
+            self._generation(*header[1:4])
+
+    def _generation(self, prompt_len: int, first: int, seed: int) -> None:
+        temperature, top_k, top_p = self._recv((3,), torch.float64).tolist()
+        sampler = Sampler(SamplingConfig(temperature, int(top_k), top_p),
+                          torch.Generator(device=self.device).manual_seed(seed))
+        prompt = self._recv((prompt_len,), torch.long).tolist()
+        speculation, timer = self.speculation, Timer(self.device)
+        head = speculation.drafter.started(self.plan.max_len, prompt, first, self._features(prompt_len))
+        base, hits, counts, per_round = prompt_len, [], dict.fromkeys(STATS[:3], 0), []
+        mark = dict(timer.totals)  # a round's seconds: its fallback (on a miss), its speculation, its head update
+        drafts, cached = speculation.fallback(head, base, sampler, timer), False
+        counts["fallback_drafts"] += len(drafts) > 0
+        while True:
+            hits.append(int(cached))
+            self._send_drafts(drafts, sampler.greedy)
+            with timer("speculate"):  # while the driver verifies this round
+                cache = speculation.speculate(head, base, drafts, sampler)
+            counts["speculated"] += len(cache)
+            _, accepted, bonus, count, done, _ = self._recv((HEADER,), torch.long).tolist()
+            new, features = self._recv((count,), torch.long).tolist(), self._features(count)
+            if not done:
+                with timer("head_update"):
+                    head.append(new, features, start=base + 1)
+            per_round.append([timer.totals.get(name, 0.0) - mark.get(name, 0.0) for name in ROUND_SECONDS])
+            mark = dict(timer.totals)
+            if done:
+                break
+            base += count
+            drafts = cache.get((accepted, bonus))
+            cached = drafts is not None
+            if drafts is None:
+                drafts = speculation.fallback(head, base, sampler, timer)
+                counts["fallback_drafts"] += len(drafts) > 0
+        counts["cache_hits"] = sum(hits)
+        self._send(torch.tensor(hits, dtype=torch.long))
+        self._send(torch.tensor([counts[s] for s in STATS[:3]] + [timer.totals.get(s, 0.0) for s in STATS[3:]],
+                                dtype=torch.float64))
+        self._send(torch.tensor(per_round, dtype=torch.float64))
+
+    def _send_drafts(self, drafts: list[Node], greedy: bool) -> None:
+        k = self.plan.params.k
+        head = torch.zeros(2 + k, dtype=torch.long)
+        head[0], head[1] = len(drafts), int(not greedy)
+        head[2: 2 + len(drafts)] = torch.tensor([d.token for d in drafts], dtype=torch.long)
+        self._send(head)
+        if not greedy and drafts:
+            self._send(torch.stack([d.q for d in drafts]).float())

@@ -1,0 +1,298 @@
+"""Speculative speculative decoding (SSD; Kumar, Dao and May, arXiv 2603.03251).
+
+Draft-then-verify removes the target's serial steps but keeps one of its own: each round waits for its drafts. SSD
+drafts the next round while the target verifies this one, for the outcomes it expects: how many of the k drafts are
+accepted (a = 0..k) and which bonus token follows (the drafter's top F_a tokens after a accepted drafts, the
+rejected draft excluded). The chains drafted for those outcomes wait in a speculation cache keyed by (a, bonus);
+when the real outcome is there the next round starts with no drafting, on a miss a fallback drafts: `jit` drafts k
+tokens as a synchronous round would, `none` verifies no drafts (one target step).
+
+Saguaro sampling (`saguaro_x` = x < 1) scales the drafter's top F + 1 probabilities by x before sampling and
+verification: the rejection residual max(0, p - q), which the bonus token is drawn from, then leans towards the
+drafter's top tokens, the ones the cache holds. Lossless at any x: a cached chain was sampled from exactly the q it
+is verified with, independently of the outcome that selects it.
+
+The drafter (methods/ssd/drafters.py) is an EAGLE-3 head (the shipped one on the embedded model), which sees the
+target's features of committed tokens and, for the chains drafted during verification, its own states for this
+round's drafts and the guessed bonus token, as EAGLE-3's deeper drafts do; or a standalone draft model with the
+target's tokenizer (`draft_model`), which sees tokens only.
+
+In one process (the default) the cache is built ("speculate") before the verification forward ("verify"), one
+after the other, and the modeled time takes them as overlapped (drafter and target on devices of their own): per
+round max(verify, speculate) + the drafter's update + the fallback's drafting on a miss. With `--executor
+distributed` the drafter runs in a rank of its own (methods/ssd/distributed.py) and the overlap is real: the
+driver's rounds are verification plus the wait for the next drafts ("wait": the drafter's update and lookup, or
+fallback); the same model is computed from each round's times on both ranks. After SSD, every sample is decoded
+again by synchronous speculative decoding with the same drafter and k (no cache, no Saguaro), so the record holds
+its decode time beside AR's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from harness.runtime.errors import HarnessError
+from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, register
+from methods.eagle3.head import head_tag, train_command
+from methods.rounds import Rounds, rounds_on_trajectory, target_prefill, verify_round
+from methods.sampling import Sampler
+from methods.ssd.drafters import build_drafter
+from methods.ssd.speculate import Speculation
+
+FALLBACKS = ("jit", "none")
+MAX_SPECULATED = 240  # tree rows per round: the runtime keeps 256 slots above the sequence for drafts
+
+
+@dataclass(frozen=True)
+class SSDParams:
+    k: int = 4  # drafts per round
+    fan_out: int = 3  # bonus tokens guessed per accepted count
+    fan_out_list: str = ""  # "F0,F1,..,Fk": guesses per accepted count 0..k (overrides fan_out)
+    saguaro_x: float = 1.0  # Saguaro sampling: scale of the drafter's top fan_out + 1 probabilities (1: off)
+    fallback: str = "jit"  # on a cache miss: draft k tokens now (jit) or verify none (none)
+    ttt: int = 7  # which trained EAGLE-3 head drafts
+    # a standalone draft model with the target's tokenizer instead of the head (embedded name, folder or hub id)
+    draft_model: str = field(default="", metadata=RECORDED_WHEN_SET)
+
+    def __post_init__(self):
+        if min(self.k, self.fan_out, self.ttt) < 1:
+            raise ValueError(f"k, fan_out and ttt must be >= 1, got k={self.k}, fan_out={self.fan_out}, ttt={self.ttt}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if not (math.isfinite(self.saguaro_x) and self.saguaro_x > 0):
+            raise ValueError(f"saguaro_x must be a finite number > 0, got {self.saguaro_x}")
+        fan_outs = self.fan_outs  # parses fan_out_list
+        if len(fan_outs) != self.k + 1 or min(fan_outs) < 0:
+            raise ValueError(f"fan_out_list needs k + 1 = {self.k + 1} comma-separated counts >= 0 (one per accepted "
+                             f"count 0..k), got {self.fan_out_list!r}")
+        rows = self.k + sum(fan_outs) * (self.k + 1)
+        if rows > MAX_SPECULATED:
+            raise ValueError(f"k={self.k} with fan-outs {fan_outs} drafts {rows} rows per round (at most "
+                             f"{MAX_SPECULATED}); lower k or the fan-out")
+
+    @property
+    def fan_outs(self) -> list[int]:
+        if not self.fan_out_list:
+            return [self.fan_out] * (self.k + 1)
+        try:
+            return [int(v) for v in str(self.fan_out_list).split(",")]
+        except ValueError:
+            raise ValueError(f"fan_out_list must be comma-separated counts, got {self.fan_out_list!r}") from None
+
+
+@dataclass
+class _Round:
+    """Per-round bookkeeping of one generation."""
+
+    hits: list[int]  # 1 where the round's drafts came from the cache (never the first round)
+    modeled: float = 0.0  # seconds with drafting overlapped with verification
+    speculated: int = 0  # chains drafted into the cache
+    fallback_drafts: int = 0  # rounds whose drafts the fallback drafted (jit), the first included
+
+
+@register
+class SSD(Method):
+    name = "ssd"
+    Params = SSDParams
+
+    @classmethod
+    def drafter(cls, params: SSDParams) -> tuple[str, str] | None:
+        """The trained EAGLE-3 head, unless a draft model drafts (it needs no training)."""
+        return None if params.draft_model else (head_tag(params.ttt), train_command(params.ttt))
+
+    @classmethod
+    def theoretical_speedup(cls, summary) -> float | None:
+        """tau * L / (L + f * Ls * k): drafting is hidden behind verification except the fallback's (f: share of
+        rounds that missed and drafted k tokens through the head's Ls layers)."""
+        shape, tau = summary.draft, summary.tokens_per_step
+        if shape is None or tau is None or not summary.steps:
+            return None
+        drafted = summary.counts.get("fallback_drafts", 0) / summary.steps
+        return tau * shape["num_layers"] / (shape["num_layers"] + drafted * shape["ls"] * shape["m"])
+
+    @classmethod
+    def modeled_speedup(cls, summary) -> float | None:
+        """AR's measured time per token over SSD's modeled one (drafter and target overlapped, see module doc)."""
+        modeled, tokens = summary.timing.get("modeled", 0.0), summary.new_tokens - summary.samples
+        baseline = summary.baseline_tokens - summary.samples
+        if modeled <= 0 or tokens <= 0 or baseline <= 0 or summary.baseline_decode_s <= 0:
+            return None
+        return (summary.baseline_decode_s / baseline) / (modeled / tokens)
+
+    figures_note = ("cache hit rate: rounds whose drafts were in the speculation cache, over the rounds that could "
+                    "hit (all but each sample's first); tokens/forward: tokens committed per target forward; "
+                    "theoretical: tau*L/(L + f*Ls*k), f the share of rounds the fallback drafted; modeled: AR's "
+                    "measured time per token over SSD's with drafting overlapped (max(verify, speculate) + head "
+                    "update + fallback per round; [distributed]: each round's times as measured on the two ranks); "
+                    "wall-clock: measured, drafting and verifying in turn in one process, overlapped with the "
+                    "drafter in a rank of its own ([distributed]); vs synchronous: decode tokens/s over synchronous "
+                    "speculative decoding's (each round k drafts by the same drafter, then their verification), "
+                    "timed after SSD on every sample")
+
+    @classmethod
+    def figures(cls, summary) -> dict[str, float | None]:
+        could_hit = summary.steps - summary.samples
+        return {"cache hit rate": summary.counts.get("cache_hits", 0) / could_hit if could_hit > 0 else None,
+                "tokens/forward": summary.tokens_per_step, "theoretical x": cls.theoretical_speedup(summary),
+                "modeled x": cls.modeled_speedup(summary), "wall-clock x": summary.wall_clock_speedup,
+                "vs synchronous x": cls.synchronous_speedup(summary)}
+
+    @classmethod
+    def synchronous_speedup(cls, summary) -> float | None:
+        """Decode tokens/s over synchronous speculative decoding's with the same drafter and k, timed beside SSD on
+        the same samples (records from before it was timed: None)."""
+        ours, decode = summary.tokens_per_second, summary.timing.get("synchronous_decode", 0.0)
+        if ours is None or decode <= 0 or summary.counts.get("synchronous_samples", 0) != summary.samples:
+            return None
+        return ours / ((summary.counts["synchronous_tokens"] - summary.samples) / decode)
+
+    @classmethod
+    def served(cls, params: SSDParams) -> tuple[int, str]:
+        return 1, "ssd's drafter takes one"
+
+    def __init__(self, target, params: SSDParams, stop_ids, checkpoint=None, head=None):
+        super().__init__(target, params, stop_ids, checkpoint)
+        self.drafter = build_drafter(target, params, checkpoint, head)
+        self.speculation = Speculation(self.drafter, params)  # the drafter side (a variant replaces it)
+        self.verify = partial(verify_round, target, self.drafter.layers)  # the round kit's verification forward
+        self.remote = None  # the drafter's rank, under --executor distributed
+
+    def distribute(self, group, dtype: str):
+        """Draft in a rank of `group` of its own from now on (methods/ssd/distributed.py)."""
+        from methods.ssd.distributed import RemoteDrafter
+
+        self.remote = RemoteDrafter(group, self, dtype)
+        return self.remote
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        timer = Timer(self.target.device)
+        saved = None if sampler.generator is None else (sampler.generator.device, sampler.generator.get_state())
+        first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
+        if self.remote is not None:
+            generation = self._remote_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
+        else:
+            generation = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.verify)
+        self._time_synchronous(generation, prompt_ids, max_new_tokens, Sampler(sampler.config, _restored(saved)))
+        return generation
+
+    def _time_synchronous(self, generation: Generation, prompt_ids: list[int], max_new_tokens: int,
+                          sampler: Sampler) -> None:
+        """Synchronous speculative decoding with the same drafter and k on the same prompt and seed, after SSD: each
+        round drafts k tokens from the drafter's own distribution, then verifies them (no speculation cache, no
+        Saguaro). Its decode time and tokens go into SSD's record, so "vs synchronous" is measured per sample, as
+        AR's is."""
+        timer = Timer(self.target.device)
+        first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
+        synchronous = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.verify,
+                                   synchronous=True)
+        generation.timing["synchronous_decode"] = synchronous.timing["decode"]
+        generation.stats.update(synchronous_tokens=len(synchronous.output_ids), synchronous_samples=1)
+
+    @classmethod
+    def check_simulation(cls, params: SSDParams, temperature: float) -> None:
+        if temperature > 0:
+            raise ValueError("ssd --simulate is exact only at T=0 (sampled chains need the target's distributions off "
+                             "the trajectory); run it without --simulate or at --temperature 0")
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """The real rounds (drafts, cache, fallbacks) with the trajectory in place of the target's verification:
+        exact at T=0. At T>0 a sampled chain's acceptance depends on p off the trajectory, which a replay lacks."""
+        try:
+            self.check_simulation(self.params, 0.0 if sampler.greedy else sampler.config.temperature)
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from None
+        return rounds_on_trajectory(
+            lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
+                                                              verify),
+            self.target, prompt_ids, trajectory, self.drafter.layers, sampler)
+
+    def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
+                timer: Timer, verify, synchronous: bool = False) -> Generation:
+        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback
+        (`synchronous`: no speculation, every round drafts k tokens before it verifies them)."""
+        speculation = self.speculation
+        with timer("prefill"):
+            head = self.drafter.started(self.target.max_len, prompt_ids, first, captured)
+        rounds, log = Rounds([first], self.params.k, max_new_tokens, self.stop_ids), _Round(hits=[])
+        drafts, cached = None, False  # nothing is cached before the first round
+        with timer("decode"):
+            while not rounds.done:
+                base = len(prompt_ids) + rounds.base  # position of the newest committed token
+                before = dict(timer.totals)
+                if drafts is None:
+                    drafts = speculation.fallback(head, base, sampler, timer, synchronous)
+                    log.fallback_drafts += len(drafts) > 0
+                log.hits.append(int(cached))
+                cache = {}
+                if not synchronous:
+                    with timer("speculate"):
+                        cache = speculation.speculate(head, base, drafts, sampler)
+                with timer("verify"):
+                    path, bonus, features = verify(drafts, rounds.output[-1], base, sampler)
+                new = rounds.commit_path(drafts, path, bonus)
+                with timer("head_update"):
+                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
+                log.speculated += len(cache)
+                drafts = cache.get((len(path), bonus))
+                cached = drafts is not None
+                log.modeled += _modeled(before, timer.totals)
+        return rounds.generation({**timer.totals, "modeled": log.modeled},
+                                 {"hits": log.hits, "cache_hits": sum(log.hits), "fallback_drafts": log.fallback_drafts,
+                                  "speculated": log.speculated, "draft": self._shape()})
+
+    def _remote_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
+                       sampler: Sampler, timer: Timer) -> Generation:
+        """The rounds with the drafter in its own rank: verify here, draft there (the same cache and fallbacks)."""
+        rounds = Rounds([first], self.params.k, max_new_tokens, self.stop_ids)
+        base, hits, drafter, verified, per_round = len(prompt_ids), [], {}, [], []
+        with timer("decode"):
+            if not rounds.done:
+                self.remote.start(prompt_ids, first, captured, sampler)
+                done = False
+                while not done:
+                    with timer("wait"):  # the drafter's head update and lookup, or its fallback
+                        drafts = self.remote.drafts()
+                    before = timer.totals.get("verify", 0.0)
+                    with timer("verify"):
+                        path, bonus, features = self.verify(drafts, rounds.output[-1], base, sampler)
+                    verified.append(timer.totals["verify"] - before)
+                    new = rounds.commit_path(drafts, path, bonus)
+                    done = rounds.done
+                    self.remote.outcome(len(path), bonus, new, {layer: h[:, : len(new)] for layer, h in
+                                                                features.items()}, done)
+                    base += len(new)
+                hits, drafter, per_round = self.remote.finish(len(rounds.accepted))
+        counts = {name: int(drafter.get(name, 0)) for name in ("cache_hits", "fallback_drafts", "speculated")}
+        # The one-process model from this run's own times: each round's verification against its speculation.
+        modeled = sum(_modeled({}, {"verify": seconds, **drafted}) for seconds, drafted in zip(verified, per_round))
+        timing = {**timer.totals, "modeled": modeled,
+                  **{f"drafter_{name}": drafter.get(name, 0.0) for name in ("speculate", "fallback", "head_update")}}
+        return rounds.generation(timing, {"hits": hits, **counts, "executor": self.remote.report,
+                                          "draft": self._shape()})
+
+    def _shape(self) -> dict:
+        """What the speedup formulas need: target layers, a drafted token's cost in target layers, k."""
+        return {"num_layers": self.target.num_layers, "ls": self.drafter.cost_layers, "m": self.params.k, "width": 1}
+
+def _restored(saved: tuple[torch.device, torch.Tensor] | None) -> torch.Generator | None:
+    """A generator on its device in the saved state: the synchronous run starts from SSD's seed."""
+    if saved is None:
+        return None
+    device, state = saved
+    generator = torch.Generator(device=device)
+    generator.set_state(state)
+    return generator
+
+
+def _modeled(before: dict[str, float], after: dict[str, float]) -> float:
+    """One round with the drafter on its own device: the cache is drafted while the target verifies."""
+    spent = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    return max(spent.get("verify", 0.0), spent.get("speculate", 0.0)) + spent.get("head_update", 0.0) + \
+        spent.get("fallback", 0.0)
