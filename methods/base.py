@@ -9,6 +9,7 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -63,7 +64,7 @@ class Method(ABC):
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:
         """The drafters `spd-bench train` builds for this family from the option values it lists (n, ls, schedule,
-        ttt, layout; an empty list: the family's default); methods/objectives.py says what each trains on."""
+        ttt, layout; an empty list: the family's default); each family's objective.py says what it trains on."""
         raise NotImplementedError(f"{cls.name} trains no drafter")
 
     @classmethod
@@ -90,6 +91,13 @@ class Method(ABC):
     @classmethod
     def drafter(cls, params) -> tuple[str, str] | None:
         """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter."""
+        return None
+
+    @classmethod
+    def import_checkpoint(cls, path: Path, loaded, params) -> tuple[Path, dict] | None:
+        """`--checkpoint path` naming a drafter published in a foreign format this family reads, converted into the
+        drafter cache for the target `loaded`: (the cached folder, parameters the run takes with it). None: not
+        such a drafter (a drafter folder of ours is used as it is)."""
         return None
 
     @classmethod
@@ -175,3 +183,13 @@ def build_method(name: str, target: TargetRuntime, raw_params: dict, stop_ids: s
         raise KeyError(name)
     cls = REGISTRY[name]
     return cls(target, parse_params(cls, raw_params), stop_ids, checkpoint)
+
+
+def check_fit(name: str, params: dict, num_layers: int) -> None:
+    """What only the loaded model can tell: the method's parameters fit its `num_layers` layers (e.g. pipeline
+    stages)."""
+    cls = REGISTRY[name]
+    try:
+        cls.check_model(parse_params(cls, params), num_layers)
+    except ValueError as exc:
+        raise HarnessError(f"{exc}; fix the option") from None

@@ -1,9 +1,13 @@
 """What every trained drafter shares: decoder layers of the target's class, the target's frozen final norm and
-rotary embedding, and a trainable LM head initialised from the target's rows over an optional draft vocabulary."""
+rotary embedding, and a trainable LM head initialised from the target's rows over an optional draft vocabulary; and
+the `Prediction`s a drafter's training forward makes, which the training loop scores against the target."""
 
 from __future__ import annotations
 
 import copy
+import random
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -108,3 +112,39 @@ class DraftModule(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._frozen[2](ids)
+
+
+@dataclass
+class Prediction:
+    logits: torch.Tensor  # [B, S', V'] draft logits; row t is scored against the target at t + offset
+    offset: int
+    weight: float
+    groups: torch.Tensor | int  # validation group per row (fill level) or for all rows (TTT step)
+
+
+class DrafterKind(Protocol):
+    """A kind of drafter the training loop trains (each family's objective.py: one per checkpoint tag). The loop
+    builds and initialises its module, asks it for predictions on the teacher's features each step, and replays
+    decoding on held-out trajectories to validate it as decoding counts."""
+
+    method: str  # the registered method that decodes with it
+    group_name: str  # what its validation groups are (fill level, training-time-test step)
+    config_name: str  # the checkpoint JSON's section for its module config
+
+    @property
+    def tag(self) -> str: ...
+
+    @property
+    def params(self) -> dict: ...
+
+    @property
+    def groups(self) -> int: ...
+
+    def build(self, target, draft_ids) -> nn.Module: ...
+
+    def initialise(self, module, target, init: str): ...
+
+    def predictions(self, module, features: dict, ids: torch.Tensor, rng: random.Random, partial_fill: float
+                    ) -> list[Prediction]: ...
+
+    def replay(self, module, teacher, max_new_tokens: int, stop_ids: set[int]): ...

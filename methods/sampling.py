@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+NO_TRUNCATION = (0, 1.0)  # (top-k, top-p) of sampling with neither
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

@@ -8,9 +8,8 @@ import torch
 from click.testing import CliRunner
 
 from harness.bench.data import load_samples, render_prompt
-from harness.bench.runner import stop_ids
 from harness.cli import main
-from harness.runtime.models import load_model
+from harness.runtime.models import load_model, stop_ids
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
 from methods.sampling import Sampler, SamplingConfig

@@ -11,9 +11,9 @@ from tiny_models import tiny_model
 from unrolled_reference import unrolled_logits
 
 from harness.runtime.target import TargetRuntime
-from methods.objectives import segment_starts
 from methods.pipeline import grouped_layout
 from methods.pipeline.grouped_layout import grouped_logits
+from methods.pipeline.objective import segment_starts
 from methods.pipeline.speculator import Speculator, SpeculatorConfig
 
 

@@ -11,12 +11,12 @@ from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
 from tiny_models import tiny_model
 
-from harness.bench.interop import import_spd
 from harness.cli import main
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import ModelIdentity
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
+from methods.pipeline.interop import import_spd
 from methods.pipeline.scheduler import Drafter
 from methods.pipeline.spd import SPD
 from methods.pipeline.tree import Token
@@ -282,8 +282,8 @@ def _eagle3_reference(model, weights, embeddings, fused_input):
 @pytest.mark.parametrize("arch, draft, binary", [("llama", None, False), ("qwen3", [2, 5, 9, 30, 77, 201], True)])
 def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_trips(tmp_path, monkeypatch, arch, draft,
                                                                                  binary):
-    from harness.bench.interop import export_eagle3, import_eagle3
     from methods.eagle3.head import ConcatCache
+    from methods.eagle3.interop import export_eagle3, import_eagle3
     from methods.eagle3.method import EAGLE3, EagleParams
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
@@ -323,7 +323,7 @@ def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_tri
 
 
 def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
-    from harness.bench.interop import import_eagle3
+    from methods.eagle3.interop import import_eagle3
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     model, target = _target("llama")
@@ -354,7 +354,7 @@ def test_eagle3_weights_that_are_not_float_or_not_finite_or_ids_that_are_not_int
         tmp_path, monkeypatch, change, message):
     from safetensors.torch import load_file, save_file
 
-    from harness.bench.interop import import_eagle3
+    from methods.eagle3.interop import import_eagle3
 
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
     model, target = _target("llama")
@@ -368,9 +368,9 @@ def test_eagle3_weights_that_are_not_float_or_not_finite_or_ids_that_are_not_int
 
 
 def test_a_harness_layout_head_is_not_exported_and_eagle3_layout_heads_train(tmp_path):
-    from harness.bench.interop import export_eagle3
     from harness.runtime import checkpoints
     from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
+    from methods.eagle3.interop import export_eagle3
 
     model, target = _target("llama")
     checkpoints.save(tmp_path / "harness", EagleHead(EagleConfig(num_layers=8), target), {"eagle": {"layout": "harness"}})

@@ -7,8 +7,7 @@ import pytest
 import torch
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 
-from harness.bench.runner import stop_ids
-from harness.runtime.models import load_model
+from harness.runtime.models import load_model, stop_ids
 from harness.training import regenerate
 from harness.training.corpus import conversations, prompt_ids
 

@@ -13,8 +13,8 @@ from harness.runtime.target import TargetRuntime
 from methods.autoregressive import Autoregressive
 from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
 from methods.eagle3.method import EAGLE3, EagleParams
-from methods.objectives import segment_starts
 from methods.pipeline.grouped_layout import grouped_logits
+from methods.pipeline.objective import segment_starts
 from methods.pipeline.ppsd import PPSD
 from methods.pipeline.spd import SPD
 from methods.pipeline.speculator import Speculator, SpeculatorConfig

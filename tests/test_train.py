@@ -166,7 +166,8 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     from harness.runtime.models import ModelIdentity
     from harness.runtime.target import TargetRuntime
     from harness.training.features import teacher_pass
-    from methods.objectives import EagleSpec, PipelineSpec
+    from methods.eagle3.objective import EagleSpec
+    from methods.pipeline.objective import PipelineSpec
 
     with torch.inference_mode(False), torch.enable_grad():  # as inside harness.training.train.train
         target = TargetRuntime(tiny_model("qwen3").to(torch.bfloat16), max_len=32,
@@ -196,7 +197,8 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
     from harness.runtime.target import TargetRuntime
     from harness.training.features import draft_probabilities, teacher_pass
     from harness.training.train import DrafterTrainer, TrainConfig, _cross_entropy
-    from methods.objectives import EagleSpec, PipelineSpec
+    from methods.eagle3.objective import EagleSpec
+    from methods.pipeline.objective import PipelineSpec
 
     with torch.inference_mode(False), torch.enable_grad():
         target = TargetRuntime(tiny_model("llama"), max_len=32, identity=ModelIdentity("tiny", "0" * 64))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -20,11 +19,11 @@ from harness.runtime import checkpoints
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
 from harness.runtime.lossless import ReferenceCache, compare, not_checked
-from harness.runtime.models import LoadedModel, check_model_spec, default_dtype, load_model
+from harness.runtime.models import LoadedModel, check_model_spec, default_dtype, load_model, stop_ids
 from harness.runtime.provenance import versions
 from harness.runtime.results import Record, ResultStore, config_key
 from harness.runtime.target import TargetRuntime
-from methods.base import REGISTRY, Method, build_method, parse_params, recorded_params
+from methods.base import REGISTRY, Method, build_method, check_fit, parse_params, recorded_params
 from methods.sampling import Sampler, SamplingConfig
 
 REFERENCE_METHOD = "autoregressive"
@@ -115,15 +114,6 @@ def validate_executor(config: RunConfig, cls) -> None:
     config.stage_devices  # noqa: B018 - validates --devices against n
 
 
-def check_model(method: str, params: dict, loaded: LoadedModel) -> None:
-    """What only the loaded model can tell: the method's parameters fit its layers (e.g. pipeline stages)."""
-    cls = REGISTRY[method]
-    try:
-        cls.check_model(parse_params(cls, params), len(loaded.model.model.layers))
-    except ValueError as exc:
-        raise HarnessError(f"{exc}; fix the option") from None
-
-
 def load_prompts(config: RunConfig) -> list[Sample]:
     samples = []
     for name in config.datasets:
@@ -157,35 +147,19 @@ def drafter_fingerprint(config: RunConfig, identity) -> str | None:
 
 
 def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
-    """`--checkpoint` naming a published head (a reference SPD `.pt` file, an EAGLE-3 folder): converted into the
-    cache and used from there."""
+    """`--checkpoint` naming a drafter published in a format the method's family reads (Method.import_checkpoint):
+    converted into the cache and used from there."""
     if not config.checkpoint:
         return
-    path = Path(config.checkpoint)
-    if config.method == "eagle3" and _eagle3_folder(path):
-        from harness.bench.interop import import_eagle3
-
-        target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
-        config.checkpoint = str(import_eagle3(path, target, ttt=config.params["ttt"]))
-        config.params["layout"] = "eagle3"
-        return
-    if not path.is_file():
-        return
-    if config.method != "spd":
-        raise HarnessError(f"{config.checkpoint} is a file: only reference SPD heads (.pt) are read that way; "
-                           f"pass a drafter folder for --method {config.method}")
-    from harness.bench.interop import import_spd
-
-    target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
-    config.checkpoint = str(import_spd(path, target, expect=(config.params["n"], config.params["ls"])))
-
-
-def _eagle3_folder(path: Path) -> bool:
-    """A folder in the EAGLE-3 authors' format (its config names an Eagle3 architecture; ours never does)."""
-    try:
-        return any("Eagle3" in a for a in json.loads((path / "config.json").read_text()).get("architectures", []))
-    except (OSError, ValueError, AttributeError):
-        return False
+    path, cls = Path(config.checkpoint), REGISTRY[config.method]
+    imported = cls.import_checkpoint(path, loaded, parse_params(cls, config.params))
+    if imported is not None:
+        folder, params = imported
+        config.checkpoint = str(folder)
+        config.params.update(params)
+    elif path.is_file():
+        raise HarnessError(f"{config.checkpoint} is a file that --method {config.method} does not read; pass a "
+                           f"drafter folder")
 
 
 def sample_seed(seed: int, sample: Sample) -> int:
@@ -405,17 +379,6 @@ def _flag(lossless: dict) -> str:
     return "ok" if lossless["identical"] else f"DIVERGED@{lossless['first_divergence']}"
 
 
-def stop_ids(loaded: LoadedModel) -> set[int]:
-    """Every end-of-turn id the model declares (generation config and tokenizer), not just one."""
-    ids: set[int] = set()
-    for value in (loaded.model.generation_config.eos_token_id, loaded.tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    return ids
-
-
 def default_out(config: RunConfig, model_name: str, root: Path = Path("results")) -> Path:
     return root / model_name.replace("/", "--") / f"{config.method}.jsonl"
 
@@ -432,7 +395,7 @@ def run(config: RunConfig) -> Path | None:
     if store_path is not None:
         ResultStore(store_path).load()  # an unreadable file fails here, before the model loads
     loaded = load_model(config.model, config.device, config.dtype)
-    check_model(config.method, config.params, loaded)
+    check_fit(config.method, config.params, len(loaded.model.model.layers))
     import_checkpoint(config, loaded)
     store = ResultStore(store_path or default_out(config, loaded.identity.name))
     store.load()

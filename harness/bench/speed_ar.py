@@ -11,8 +11,7 @@ import torch
 from tqdm import tqdm
 
 from harness.bench.data import load_samples, render_prompt
-from harness.bench.runner import stop_ids
-from harness.runtime.models import load_model
+from harness.runtime.models import load_model, stop_ids
 from harness.runtime.provenance import versions
 from harness.runtime.results import ResultStore, config_key
 from harness.runtime.target import TargetRuntime

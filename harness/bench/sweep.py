@@ -10,14 +10,48 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harness.bench.runner import RunConfig, Runner, check_model, default_out, drafter_folder, load_prompts, validate
-from harness.reporting.metrics import NO_TRUNCATION
-from harness.reporting.paper import GridPoint
+from harness.bench.runner import RunConfig, Runner, default_out, drafter_folder, load_prompts, validate
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
 from harness.runtime.results import ResultStore
-from methods.base import REGISTRY, parse_params
+from methods.base import REGISTRY, check_fit, parse_params
+from methods.sampling import NO_TRUNCATION
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One run configuration of a sweep: a method, its parameters and a temperature."""
+
+    method: str
+    params: tuple[tuple[str, object], ...]  # sorted (name, value) pairs, hashable
+    temperature: float
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, method: str, temperature: float, **params) -> GridPoint:
+        return cls(method, tuple(sorted(params.items())), float(temperature))
+
+    @property
+    def param_dict(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def truncation(self) -> tuple[int, float]:
+        return self.top_k, self.top_p
+
+    def label(self) -> str:
+        params = " ".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.method} {params} T={self.temperature:g}{self._truncation(' top-k={} top-p={}')}".replace("  ", " ")
+
+    def run_command(self) -> str:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.params)
+        return (f"spd-bench run --method {self.method} {flags} --temperature {self.temperature:g}"
+                + self._truncation(" --top-k {} --top-p {}"))
+
+    def _truncation(self, form: str) -> str:
+        return form.format(self.top_k, f"{self.top_p:g}") if (self.top_k, self.top_p) != (0, 1.0) else ""
 
 
 @dataclass
@@ -82,7 +116,7 @@ def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> Swe
     loaded = load_model(base.model, base.device, base.dtype)
     skipped, runners = [], {}
     for config in configs.values():
-        check_model(config.method, config.params, loaded)
+        check_fit(config.method, config.params, len(loaded.model.model.layers))
     for point, config in configs.items():
         command = missing_drafter(config, loaded.identity)
         if command is not None:

@@ -146,9 +146,10 @@ def ship(method, param_pairs, n, ls, schedule, model):
 @dtype_option
 def import_command(spd_file, eagle_dir, ttt, force, model, device, dtype):
     """Convert a published SPD or EAGLE-3 head for --model into the drafter cache (checked against the target)."""
-    from harness.bench.interop import import_eagle3, import_spd
     from harness.runtime.models import load_model
     from harness.runtime.target import TargetRuntime
+    from methods.eagle3.interop import import_eagle3
+    from methods.pipeline.interop import import_spd
 
     if (spd_file is None) == (eagle_dir is None):
         raise click.UsageError("pass one of --spd FILE.pt or --eagle3 DIR")
@@ -171,13 +172,13 @@ def export_head(model, ttt, checkpoint, out, replace):
     """An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format (SGLang, the EAGLE code)."""
     from transformers import AutoConfig
 
-    from harness.bench.interop import check_export_target, export_eagle3
     from harness.runtime import checkpoints
     from harness.runtime.models import load_identity, resolve_model_dir
-    from methods.eagle3.method import EagleParams
+    from methods.eagle3.head import head_tag
+    from methods.eagle3.interop import check_export_target, export_eagle3
 
     check_export_target(out, replace)  # before anything loads
-    tag = EagleParams(ttt=ttt, layout="eagle3").tag
+    tag = head_tag(ttt, "eagle3")
     folder, _ = checkpoints.locate(load_identity(model), "eagle3", tag,
                                    f"spd-bench train --method eagle3 --ttt {ttt} --eagle-layout eagle3", checkpoint)
     text = AutoConfig.from_pretrained(resolve_model_dir(model)[1]).get_text_config()

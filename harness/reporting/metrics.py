@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from methods.sampling import NO_TRUNCATION
+
 OVERALL = "overall"
-NO_TRUNCATION = (0, 1.0)  # (top-k, top-p) of sampling with neither
 
 
 def sampling_label(temperature: float, truncation: tuple[int, float]) -> str:

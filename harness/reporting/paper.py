@@ -6,44 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from harness.reporting.metrics import NO_TRUNCATION
+from harness.bench.sweep import GridPoint
+from methods.sampling import NO_TRUNCATION
 
 MEAN = "mean"
-
-
-@dataclass(frozen=True)
-class GridPoint:
-    """One run configuration of a sweep: a method, its parameters and a temperature."""
-
-    method: str
-    params: tuple[tuple[str, object], ...]  # sorted (name, value) pairs, hashable
-    temperature: float
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-
-    @classmethod
-    def of(cls, method: str, temperature: float, **params) -> GridPoint:
-        return cls(method, tuple(sorted(params.items())), float(temperature))
-
-    @property
-    def param_dict(self) -> dict:
-        return dict(self.params)
-
-    @property
-    def truncation(self) -> tuple[int, float]:
-        return self.top_k, self.top_p
-
-    def label(self) -> str:
-        params = " ".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.method} {params} T={self.temperature:g}{self._truncation(' top-k={} top-p={}')}".replace("  ", " ")
-
-    def run_command(self) -> str:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.params)
-        return (f"spd-bench run --method {self.method} {flags} --temperature {self.temperature:g}"
-                + self._truncation(" --top-k {} --top-p {}"))
-
-    def _truncation(self, form: str) -> str:
-        return form.format(self.top_k, f"{self.top_p:g}") if (self.top_k, self.top_p) != (0, 1.0) else ""
 
 
 def paper_grid() -> list[GridPoint]:

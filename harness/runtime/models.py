@@ -206,3 +206,14 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokeniz
     model.to(torch_device).eval()
     return LoadedModel(model=model, tokenizer=loaded_tokenizer, identity=identity, device=torch_device,
                        dtype=torch_dtype)
+
+
+def stop_ids(loaded: LoadedModel) -> set[int]:
+    """Every end-of-turn id the model declares (generation config and tokenizer), not just one."""
+    ids: set[int] = set()
+    for value in (loaded.model.generation_config.eos_token_id, loaded.tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids

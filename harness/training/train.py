@@ -19,24 +19,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from harness.bench.runner import check_model, stop_ids
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
-from harness.runtime.models import LoadedModel, load_model
+from harness.runtime.models import LoadedModel, load_model, stop_ids
 from harness.runtime.results import ResultStore
 from harness.runtime.target import TargetRuntime
 from harness.training.corpus import conversations, encode
 from harness.training.features import FeatureCache, draft_probabilities, teacher_pass
 from harness.training.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.training.regenerate import self_distilled
-from methods.objectives import EagleSpec, PipelineSpec
-
-DrafterSpec = PipelineSpec | EagleSpec
+from methods.base import check_fit
+from methods.draft_module import DrafterKind
 
 
 @dataclass
 class TrainConfig:
-    drafters: list[DrafterSpec]  # PipelineSpec and EagleSpec (harness/objectives.py)
+    drafters: list[DrafterKind]  # each family's (its objective.py), from Method.training_specs
     model: str = "smollm2-135m"
     tokens: int = 1_000_000  # target tokens through the teacher
     epochs: int = 1  # passes over those tokens; later passes read the teacher's outputs from the feature cache
@@ -131,7 +129,7 @@ def draft_vocabulary(loaded: LoadedModel, convs: list[list[dict]], chunks: list[
 class DrafterTrainer:
     """One drafter's module, optimiser, schedule and checkpoint folder."""
 
-    def __init__(self, spec: DrafterSpec, config: TrainConfig, target: TargetRuntime, draft_ids):
+    def __init__(self, spec: DrafterKind, config: TrainConfig, target: TargetRuntime, draft_ids):
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
         # fp32 master weights: what the optimiser updates, the checkpoint holds and validation runs
@@ -281,7 +279,7 @@ def train(config: TrainConfig) -> list[Path]:
     torch.manual_seed(config.seed)
     loaded = load_model(config.model, config.device, config.dtype)
     for spec in config.drafters:
-        check_model(spec.method, spec.params, loaded)
+        check_fit(spec.method, spec.params, len(loaded.model.model.layers))
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
     convs = list(conversations())
     held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]

@@ -6,11 +6,14 @@ the longest accepted path (its KV compacted into place) and adds one bonus token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from harness.runtime.target import TargetRuntime
 from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, register
 from methods.eagle3.head import LAYOUTS, EagleHead, HeadSession, head_tag, load_head, train_command
+from methods.eagle3.interop import import_eagle3, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
 from methods.rounds import Node, Rounds, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
@@ -45,7 +48,7 @@ class EAGLE3(Method):
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:
         """One head per training-time-test depth and layout."""
-        from methods.objectives import EagleSpec
+        from methods.eagle3.objective import EagleSpec
 
         default = cls.Params()
         layouts = values.get("layout") or [default.layout]
@@ -60,6 +63,14 @@ class EAGLE3(Method):
         if shape is None or summary.tokens_per_step is None:
             return None
         return summary.tokens_per_step * shape["num_layers"] / (shape["ls"] * shape["m"] + shape["num_layers"])
+
+    @classmethod
+    def import_checkpoint(cls, path: Path, loaded, params: EagleParams) -> tuple[Path, dict] | None:
+        """A head folder in the EAGLE-3 authors' format (methods/eagle3/interop.py), filed under `ttt`."""
+        if not is_eagle3_folder(path):
+            return None
+        target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+        return import_eagle3(path, target, ttt=params.ttt), {"layout": "eagle3"}
 
     @classmethod
     def drafter(cls, params: EagleParams) -> tuple[str, str]:

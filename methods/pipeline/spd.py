@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
+from harness.runtime.target import TargetRuntime
 from methods.base import RECORDED_WHEN_SET, Generation, Method, register
 from methods.pipeline.replay import simulate
 from methods.pipeline.scheduler import PipelineEngine
-from methods.pipeline.speculator import SCHEDULES, Speculator, SpeculatorConfig
+from methods.pipeline.speculator import SCHEDULES, Speculator, SpeculatorConfig, drafter_tag
 from methods.sampling import Sampler
 
 PREFILL_FEATURES = ("pre-norm", "reference")
@@ -37,7 +39,7 @@ class PipelineParams:
 
     @property
     def tag(self) -> str:
-        return f"n{self.n}-ls{self.ls}-{self.schedule}"
+        return drafter_tag(self.n, self.ls, self.schedule)
 
 
 def pipeline_drafter(method: str, params: PipelineParams) -> tuple[str, str]:
@@ -68,7 +70,7 @@ class SPD(Method):
     def training_specs(cls, values: dict[str, list]) -> list:
         """n x Ls x schedule (defaults: the family's parameter defaults), each with the aggregation bounds given
         (shared projections, e.g. to fit a drafter under the size shipped in the repository)."""
-        from methods.objectives import PipelineSpec
+        from methods.pipeline.objective import PipelineSpec
 
         default = cls.Params()
         schedules = cls.train_schedules(values.get("schedule") or [default.schedule])
@@ -110,6 +112,17 @@ class SPD(Method):
         stage = shape["largest_stage"] * per_layer
         cycle = (max(stage, drafter) if shape["schedule"] == "input" else stage + drafter) + head
         return summary.tokens_per_step * (shape["num_layers"] * per_layer + head) / cycle
+
+    @classmethod
+    def import_checkpoint(cls, path: Path, loaded, params: PipelineParams) -> tuple[Path, dict] | None:
+        """A reference speculation head (a v11 `.pt` file, methods/pipeline/interop.py): SPD's input schedule with
+        multi-depth features, so PPSD reads none."""
+        if cls.policy != "multi_depth" or not path.is_file():
+            return None
+        from methods.pipeline.interop import import_spd
+
+        target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
+        return import_spd(path, target, expect=(params.n, params.ls)), {}
 
     @classmethod
     def check_model(cls, params: PipelineParams, num_layers: int) -> None:

@@ -24,6 +24,11 @@ POLICIES = ("multi_depth", "first_stage")
 LAYER_KINDS = ("target", "qwen3")
 
 
+def drafter_tag(n: int, ls: int, schedule: str) -> str:
+    """The checkpoint tag of a pipeline drafter: its stage count, layers and schedule."""
+    return f"n{n}-ls{ls}-{schedule}"
+
+
 def stage_bounds(num_layers: int, n: int) -> list[tuple[int, int]]:
     """Contiguous near-even split: sizes differ by at most one, larger stages first."""
     if not 1 <= n <= num_layers:

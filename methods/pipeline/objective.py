@@ -1,9 +1,6 @@
-"""What each kind of drafter trains on: the module it builds and the predictions its training forward makes.
-
-The training loop (harness/training/train.py) is the same for all of them: it runs the teacher once per batch, asks every
-drafter for its `Prediction`s and takes a weighted KL(target || drafter) step on each. A pipeline drafter (SPD,
-PPSD) makes one prediction per position from the grouped depth layout (methods/pipeline/grouped_layout.py); an EAGLE-3 head
-makes one per training-time-test step, from its own states, with geometrically decaying weights.
+"""What a pipeline drafter (SPD, PPSD) trains on: one prediction per position from the grouped depth layout
+(methods/pipeline/grouped_layout.py), half the sequences simulating a pipeline refilling after prefill or a flush.
+The training loop (harness/training/train.py) calls it through the drafter-kind protocol it declares.
 """
 
 from __future__ import annotations
@@ -14,22 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from methods.base import Generation
-from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
-from methods.eagle3.method import EagleParams
-from methods.eagle3.replay import chain_accepts, replay_rounds
+from methods.draft_module import Prediction
 from methods.pipeline.grouped_layout import grouped_logits
 from methods.pipeline.replay import fill_state_accepts, replay_cycles
-from methods.pipeline.speculator import Speculator, SpeculatorConfig
-
-TTT_DECAY = 0.8  # loss weight of training-time-test step k is TTT_DECAY ** (k - 1)
-
-
-@dataclass
-class Prediction:
-    logits: torch.Tensor  # [B, S', V'] draft logits; row t is scored against the target at t + offset
-    offset: int
-    weight: float
-    groups: torch.Tensor | int  # validation group per row (fill level) or for all rows (TTT step)
+from methods.pipeline.speculator import Speculator, SpeculatorConfig, drafter_tag
 
 
 def segment_starts(size: int, n: int, flush: bool, rng: random.Random) -> torch.Tensor:
@@ -63,7 +48,7 @@ class PipelineSpec:
 
     @property
     def tag(self) -> str:
-        return f"n{self.n}-ls{self.ls}-{self.schedule}"
+        return drafter_tag(self.n, self.ls, self.schedule)
 
     @property
     def params(self) -> dict:
@@ -101,47 +86,3 @@ class PipelineSpec:
         """Decoding's cycles on a trajectory (the exact `--simulate` replay)."""
         return replay_cycles(fill_state_accepts(module, teacher), teacher, self.n, self.schedule, max_new_tokens,
                              stop_ids, {})
-
-
-@dataclass
-class EagleSpec:
-    """An EAGLE-3 head trained with `ttt` training-time-test steps."""
-
-    ttt: int
-    layout: str = "harness"
-    method = "eagle3"
-    group_name = "step"
-    config_name = "eagle"
-
-    @property
-    def tag(self) -> str:
-        return EagleParams(ttt=self.ttt, layout=self.layout).tag
-
-    @property
-    def params(self) -> dict:
-        return {"ttt": self.ttt} if self.layout == "harness" else {"ttt": self.ttt, "layout": self.layout}
-
-    @property
-    def groups(self) -> int:
-        return self.ttt
-
-    def build(self, target, draft_ids) -> EagleHead:
-        config = EagleConfig(ttt=self.ttt, num_layers=target.num_layers, target=target.identity.to_dict(),
-                             draft_vocab_size=None if draft_ids is None else len(draft_ids), layout=self.layout)
-        return EagleHead(config, target, draft_ids)
-
-    def initialise(self, module: EagleHead, target, init: str) -> EagleHead:
-        """The head's one layer reads [embedding, fused feature] (2H wide), unlike any target layer: it always starts
-        with its residual branches at zero."""
-        return module.start_as_identity()
-
-    def predictions(self, module: EagleHead, features: dict, ids: torch.Tensor, rng: random.Random,
-                    partial_fill: float) -> list[Prediction]:
-        size = ids.shape[1]
-        steps = ttt_logits(module, features, ids, min(self.ttt, size - 1))
-        return [Prediction(logits[:, : size - k], k, TTT_DECAY ** (k - 1), k - 1)
-                for k, logits in enumerate(steps, start=1)]
-
-    def replay(self, module: EagleHead, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
-        """Chain rounds of `ttt` drafts on a trajectory (the exact `--simulate` replay)."""
-        return replay_rounds(chain_accepts(module, teacher, self.ttt), teacher, self.ttt, max_new_tokens, stop_ids, {})
