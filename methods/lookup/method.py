@@ -1,0 +1,94 @@
+"""Prompt lookup decoding (Saxena 2023; a row of Spec-Bench's table): the drafter is a search, not a model.
+
+Each round takes the last `max_ngram` committed tokens (then fewer, down to `min_ngram`), finds their latest earlier
+occurrence in the prompt and the output so far, and drafts the up to `k` tokens that followed it. The target
+verifies the chain in one forward through the round kit (methods/rounds.py) and adds a bonus token; a round with no
+match verifies no drafts (one target step, as AR). Drafts are deterministic, so at T>0 the round kit's rule for
+deterministic candidates keeps the output a sample of the target's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import Generation, Method, Timer, register
+from methods.rounds import Rounds, chain, rounds_on_trajectory, target_prefill, verify_round
+from methods.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class LookupParams:
+    k: int = 10  # the most drafts per round
+    max_ngram: int = 3  # the longest suffix looked up
+    min_ngram: int = 1  # the shortest
+
+    def __post_init__(self):
+        if min(self.k, self.min_ngram) < 1 or self.max_ngram < self.min_ngram:
+            raise ValueError(f"k and min_ngram must be >= 1 and max_ngram >= min_ngram, got k={self.k}, "
+                             f"max_ngram={self.max_ngram}, min_ngram={self.min_ngram}")
+
+
+def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` (max_ngram
+    down to min_ngram tokens) that occurs earlier; [] when none does."""
+    for size in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        suffix = tokens[-size:]
+        for start in range(len(tokens) - size - 1, -1, -1):  # latest first; the suffix itself is excluded
+            if tokens[start: start + size] == suffix:
+                return tokens[start + size: start + size + k]
+    return []
+
+
+@register
+class PromptLookup(Method):
+    name = "lookup"
+    Params = LookupParams
+
+    figures_note = ("matched: share of rounds whose suffix was found earlier (the others verify no drafts); "
+                    "tokens/forward: tokens committed per target forward; wall-clock: decode tokens/s over AR's, "
+                    "measured on the same samples")
+
+    @classmethod
+    def figures(cls, summary) -> dict[str, float | None]:
+        steps = summary.steps
+        matched = summary.counts.get("matched_rounds", 0) / steps if steps else None
+        return {"matched": matched, "tokens/forward": summary.tokens_per_step,
+                "wall-clock x": summary.wall_clock_speedup}
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        timer = Timer(self.target.device)
+        first, _ = target_prefill(self.target, (), prompt_ids, sampler, timer)
+        verify = lambda nodes, last, base, sampler: verify_round(self.target, (), nodes, last, base, sampler)  # noqa: E731
+        return self._rounds(prompt_ids, first, max_new_tokens, sampler, timer, verify)
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """The real lookups with the trajectory in place of the target's verification (exact at T=0; at T>0 the
+        realised acceptance, as EAGLE-3's tree replay)."""
+        return rounds_on_trajectory(
+            lambda first, _, timer, verify: self._rounds(prompt_ids, first, max_new_tokens, sampler, timer, verify),
+            self.target, prompt_ids, trajectory, (), sampler)
+
+    def _rounds(self, prompt_ids: list[int], first: int, max_new_tokens: int, sampler: Sampler, timer: Timer,
+                verify) -> Generation:
+        params = self.params
+        rounds = Rounds([first], params.k, max_new_tokens, self.stop_ids)
+        matched = candidates = 0
+        with timer("decode"):
+            while not rounds.done:
+                base = len(prompt_ids) + rounds.base  # position of the newest committed token
+                with timer("drafter"):
+                    room = max_new_tokens - len(rounds.output)  # drafts past the budget could never be committed
+                    drafts = lookup(prompt_ids + rounds.output, min(params.k, room), params.max_ngram,
+                                    params.min_ngram)
+                nodes = chain(drafts)
+                with timer("verify"):
+                    path, bonus, _ = verify(nodes, rounds.output[-1], base, sampler)
+                rounds.commit_path(nodes, path, bonus)
+                matched += bool(drafts)
+                candidates += len(drafts)
+        return rounds.generation(timer.totals, {"matched_rounds": matched, "candidates": candidates})

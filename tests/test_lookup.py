@@ -1,0 +1,63 @@
+"""Prompt lookup decoding on tiny models: the n-gram search drafts what followed the latest earlier match, the
+output is token-identical to greedy AR at T=0 (with rounds that accept copied drafts), the target's distribution
+at T=1, and the trajectory replay equals execution."""
+
+import pytest
+from tiny_models import flat_target, sampled_joint_tv, tiny_model
+
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method
+from methods.lookup.method import LookupParams, PromptLookup, lookup
+from methods.sampling import Sampler, SamplingConfig
+
+GREEDY = SamplingConfig()
+
+
+def test_the_search_prefers_the_longest_suffix_then_the_latest_match():
+    tokens = [1, 2, 3, 4, 9, 3, 5, 2, 3]
+    assert lookup(tokens, 3, 3, 1) == [4, 9, 3]  # [2, 3] matched at the start (the last token alone is later)
+    assert lookup(tokens, 3, 1, 1) == [5, 2, 3]  # [3] alone: its latest earlier occurrence
+    assert lookup(tokens, 1, 3, 1) == [4]  # capped at k
+    assert lookup([5, 6, 7], 4, 3, 1) == []  # nothing repeats
+    assert lookup([7, 7], 4, 3, 2) == []  # the suffix itself is not a match
+
+
+def test_parameters_that_cannot_search_are_refused():
+    with pytest.raises(ValueError, match="max_ngram >= min_ngram"):
+        LookupParams(max_ngram=1, min_ngram=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
+def test_greedy_output_is_token_identical_to_ar_and_copies_repeated_text(arch):
+    model = tiny_model(arch)
+    target = TargetRuntime(model, max_len=256)
+    ar = build_method("autoregressive", target, {}, set())
+    method = build_method("lookup", target, {"k": 4}, set())
+    for prompt in ([7], list(range(10, 19)), [3, 4, 5, 6] * 5):
+        reference = ar.generate(prompt, 32, Sampler(GREEDY)).output_ids
+        generation = method.generate(prompt, 32, Sampler(GREEDY))
+        assert generation.output_ids == reference
+        assert sum(generation.accepted) == len(reference) - 1
+    # A tiny random model falls into loops; their repeats are drafted and accepted, several tokens per forward.
+    assert generation.steps < len(reference) - 1 and generation.position_accepts[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_sampled_tokens_follow_the_target_distribution(arch):
+    vocab = 4
+    model = flat_target(vocab, arch)
+    method = PromptLookup(TargetRuntime(model, max_len=64), LookupParams(k=2), set())
+    # A prompt whose every suffix repeats: every round drafts, so a wrong acceptance rule would show.
+    assert sampled_joint_tv(method, model, vocab, prompt=(1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)) < 0.07
+
+
+def test_the_replay_equals_execution_at_t0():
+    model = tiny_model("llama")
+    target = TargetRuntime(model, max_len=256)
+    method = build_method("lookup", target, {"k": 3}, set())
+    for prompt in ([7], [3, 4, 5, 6] * 4):
+        executed = method.generate(prompt, 24, Sampler(GREEDY))
+        replayed = method.simulate(prompt, executed.output_ids, 24, Sampler(GREEDY))
+        assert replayed.output_ids == executed.output_ids
+        assert replayed.accepted == executed.accepted
+        assert replayed.position_accepts == executed.position_accepts
