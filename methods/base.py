@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,6 +49,15 @@ class Timer:
 
 
 @dataclass(frozen=True)
+class ExportFormat:
+    """A family's records in another tool's per-sample format (`spd-bench export --format NAME`)."""
+
+    sample: Callable[[dict, int, str | None], dict]  # (record, index in its file, the prompt text) -> one line
+    suffix: str  # after the configuration's name in the file name
+    about: str  # for --help
+
+
+@dataclass(frozen=True)
 class NoParams:
     """Parameters of a method that has none."""
 
@@ -74,6 +84,8 @@ class Method(ABC):
     @classmethod
     def modeled_speedup(cls, summary) -> float | None:
         return None
+
+    exports: ClassVar[dict[str, ExportFormat]] = {}  # formats of the family's own (Spec-Bench's is every method's)
 
     figures_note: ClassVar[str] = ""  # how the family's own figures are defined (the note under its report table)
 
@@ -167,15 +179,17 @@ def parse_params(cls: type[Method], raw: dict):
     return cls.Params(**values)
 
 
-# A parameter added after records were committed carries this metadata: it is recorded only when it differs from its
-# default, so the configuration keys of earlier records (and their resumption and the regression baseline) still hold.
-RECORDED_WHEN_SET = {"recorded": "when-set"}
+def param(default, help: str, recorded_when_set: bool = False):
+    """A method parameter: its default and the help line `run --help` shows for its `--name` option. A parameter
+    added after records were committed is `recorded_when_set`: recorded only when it differs from its default, so
+    the configuration keys of earlier records (their resumption, the regression baseline) still hold."""
+    return field(default=default, metadata={"help": help, "recorded_when_set": recorded_when_set})
 
 
 def recorded_params(params) -> dict:
     """The params as a record stores them (and as they enter the configuration key)."""
     return {f.name: getattr(params, f.name) for f in fields(params)
-            if f.metadata != RECORDED_WHEN_SET or getattr(params, f.name) != f.default}
+            if not f.metadata.get("recorded_when_set") or getattr(params, f.name) != f.default}
 
 
 def build_method(name: str, target: TargetRuntime, raw_params: dict, stop_ids: set[int], checkpoint=None) -> Method:

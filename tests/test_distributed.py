@@ -30,7 +30,6 @@ from methods.base import build_method
 from methods.pipeline.spd import SPD
 from methods.pipeline.speculator import Speculator, SpeculatorConfig
 from methods.sampling import Sampler, SamplingConfig
-from methods.ssd.method import SSD
 
 GREEDY = SamplingConfig()
 PROMPTS = ([7], list(range(10, 19)))
@@ -156,16 +155,18 @@ def test_a_served_rank_builds_only_plans_of_this_harness_from_the_store():
     import io
     import pickle
 
+    from harness.bench.selfcheck import OracleSpeculation
     from methods.ssd.distributed import DrafterPlan
     from methods.ssd.method import SSDParams
 
     rng = torch.Generator().manual_seed(3)
-    plan = DrafterPlan("m", "float32", "0" * 64, SSDParams(k=2), None, 64, SSD,
+    plan = DrafterPlan("m", "float32", "0" * 64, SSDParams(k=2), None, 64, OracleSpeculation,
                        {"reference": {5: 7}, "rng": rng, "ids": torch.arange(4)})
     read = launch.PlanUnpickler(io.BytesIO(pickle.dumps(plan))).load()
-    assert read.params == plan.params and read.method is SSD and torch.equal(read.state["ids"], torch.arange(4))
+    assert read.params == plan.params and read.speculation is OracleSpeculation
+    assert torch.equal(read.state["ids"], torch.arange(4))
     assert torch.equal(read.state["rng"].get_state(), rng.get_state())
-    imported_here = b"charness.provenance\nsubprocess\n."  # a module our code imports is not our code
+    imported_here = b"charness.runtime.provenance\nsubprocess\n."  # a module our code imports is not our code
     for data in (pickle.dumps(_Runs()), pickle.dumps({"plan": _Runs()}), pickle.dumps(print), imported_here):
         with pytest.raises(pickle.UnpicklingError, match="which a served rank does not build"):
             launch.PlanUnpickler(io.BytesIO(data)).load()

@@ -16,8 +16,8 @@ from harness.runtime.errors import HarnessError
 from harness.runtime.models import ModelIdentity
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
+from methods.pipeline.drafter import Drafter
 from methods.pipeline.interop import import_spd
-from methods.pipeline.scheduler import Drafter
 from methods.pipeline.spd import SPD
 from methods.pipeline.tree import Token
 from methods.sampling import Sampler, SamplingConfig

@@ -6,9 +6,9 @@ import pytest
 from test_simulate import NEW, PROMPTS, _pipeline
 
 from methods.autoregressive import Autoregressive
+from methods.pipeline.drafter import Drafter
 from methods.pipeline.parity import compare
 from methods.pipeline.ppsd import PPSD
-from methods.pipeline.scheduler import Drafter
 from methods.pipeline.spd import SPD
 from methods.sampling import Sampler, SamplingConfig
 

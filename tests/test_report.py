@@ -119,7 +119,7 @@ def _steps(row, steps):
 
 
 def test_claims_are_checked_on_the_records_with_the_figures_compared():
-    from harness.reporting.claims import verdicts
+    from harness.reporting.paper import verdicts
 
     rows = []
     for model, (steps_n4, steps_n8) in (("m", (10, 8)), ("m2", (5, 8))):  # alpha 1.0 -> 1.25 on m, 2.0 -> 1.25 on m2
@@ -140,7 +140,7 @@ def test_claims_are_checked_on_the_records_with_the_figures_compared():
 
 
 def test_the_t1_order_compares_runs_at_the_papers_sampling_measured_the_same_way():
-    from harness.reporting.claims import verdicts
+    from harness.reporting.paper import verdicts
 
     def best(method, params, steps, simulated=False, truncation=(50, 0.95)):
         draft = None if method != "eagle3" else {"num_layers": 30, "ls": 1, "m": params["m"], "width": 1}
@@ -149,7 +149,8 @@ def test_the_t1_order_compares_runs_at_the_papers_sampling_measured_the_same_way
                            truncation=truncation), steps)
 
     spd, ppsd = {"n": 8, "ls": 4, "schedule": "input"}, {"n": 8, "ls": 1, "schedule": "output"}
-    # theoretical: spd 5.0 * 30 / 4 = 37.5 > eagle3 2.5 * 30 / 33 = 2.27 > ppsd 0.125 * 30 / (4 + 4) = 0.47 (output schedule)
+    # theoretical: spd 5.0 * 30 / 4 = 37.5 > eagle3 2.5 * 30 / 33 = 2.27 > ppsd 0.125 * 30 / (4 + 4) = 0.47 (output
+    # schedule)
     rows = [best("spd", spd, 2), best("eagle3", {"m": 3}, 4), best("ppsd", ppsd, 80),
             best("ppsd", {**ppsd, "n": 4}, 1, simulated=True),  # simulated: not set against executed runs
             best("eagle3", {"m": 7}, 1, truncation=(0, 1.0))]  # untruncated sampling: not the paper's T=1

@@ -6,8 +6,8 @@ from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method, recorded_params
+from methods.pipeline.drafter import Drafter
 from methods.pipeline.ppsd import PPSD
-from methods.pipeline.scheduler import Drafter
 from methods.pipeline.spd import SPD
 from methods.pipeline.speculator import Speculator, SpeculatorConfig, stage_bounds
 from methods.sampling import Sampler, SamplingConfig

@@ -160,12 +160,12 @@ def test_synchronous_decoding_is_timed_beside_ssd_from_the_same_seed():
     eagle = EAGLE3(target, EagleParams(m=3, ttt=3), set(), head=method.drafter.head)
     timer = Timer(target.device)
     first, captured = eagle.prefill([5, 6], Sampler(GREEDY), timer)
-    synchronous = method._rounds([5, 6], first, captured, 20, Sampler(GREEDY), timer, method.verify, synchronous=True)
+    synchronous = method.synchronous_rounds([5, 6], first, captured, 20, Sampler(GREEDY), timer)
     chain = eagle.generate([5, 6], 20, Sampler(GREEDY))
     assert (synchronous.output_ids, synchronous.accepted) == (chain.output_ids, chain.accepted)
 
 
-# --- a standalone draft model (--draft-model) --------------------------------------------------------------------------
+# --- a standalone draft model (--draft-model) -------------------------------------------------------------------------
 def _saved(model, folder):
     model.save_pretrained(folder)  # before any runtime stores its weights column-major
     return str(folder)

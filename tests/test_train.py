@@ -232,8 +232,8 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
 def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cache):  # noqa: F811
     out = tmp_path / "train.jsonl"
     result = CliRunner().invoke(main, ["bench", "train", "--model", str(tiny_dir), "--method", "spd,eagle3", "--n", "2",
-                                       "--ls", "1", "--ttt", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "1",
-                                       "--out", str(out)])
+                                       "--ls", "1", "--ttt", "2", "--seq-len", "32", "--batch-size", "2", "--steps",
+                                       "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["drafter"] for r in rows] == ["spd-n2-ls1-input", "eagle3-ttt2"]

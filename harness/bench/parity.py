@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from harness.bench.config import REFERENCE_METHOD, RunConfig, load_prompts, validate
 from harness.bench.data import render_prompt
-from harness.bench.runner import REFERENCE_METHOD, RunConfig, Runner, load_prompts, validate
+from harness.bench.runner import Runner
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
 from harness.runtime.results import ResultStore

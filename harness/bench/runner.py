@@ -1,4 +1,5 @@
-"""The shared benchmark loop: prompts in, one lossless-checked JSONL record per sample out, resumable."""
+"""The shared benchmark loop: prompts in, one lossless-checked JSONL record per sample out, resumable (the run
+identity and its validation: harness/bench/config.py)."""
 
 from __future__ import annotations
 
@@ -7,159 +8,30 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-import methods  # noqa: F401  (fills the registry)
-from harness.bench.data import Sample, load_samples, render_prompt
-from harness.runtime import checkpoints
+from harness.bench.config import (
+    REFERENCE_METHOD,
+    RunConfig,
+    default_out,
+    drafter_fingerprint,
+    import_checkpoint,
+    load_prompts,
+    validate,
+)
+from harness.bench.data import Sample, render_prompt
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
 from harness.runtime.lossless import ReferenceCache, compare, not_checked
-from harness.runtime.models import LoadedModel, check_model_spec, default_dtype, load_model, stop_ids
+from harness.runtime.models import LoadedModel, load_model, stop_ids
 from harness.runtime.provenance import versions
 from harness.runtime.results import Record, ResultStore, config_key
 from harness.runtime.target import TargetRuntime
-from methods.base import REGISTRY, Method, build_method, check_fit, parse_params, recorded_params
+from methods.base import Method, build_method, check_fit
 from methods.sampling import Sampler, SamplingConfig
-
-REFERENCE_METHOD = "autoregressive"
-
-
-@dataclass
-class RunConfig:
-    method: str = "autoregressive"
-    params: dict = field(default_factory=dict)
-    model: str = "smollm2-135m"
-    datasets: tuple[str, ...] = ("mt_bench", "gsm8k", "humaneval")
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    limit: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str | None = None
-    data_dir: str | None = None
-    out: Path | None = None
-    checkpoint: str | None = None
-    skip_missing: bool = False
-    baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
-    simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
-    executor: str = "local"  # "distributed": served ranks of their own (pipeline stages, SSD's drafter; launch.py)
-    devices: str | None = None  # distributed: one device per served rank, comma list
-    timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
-    join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
-
-    @property
-    def stage_devices(self) -> list[str]:
-        """One device per rank the method serves besides the driver."""
-        count, why = REGISTRY[self.method].served(parse_params(REGISTRY[self.method], self.params))
-        return launch.stage_devices(self.devices, self.device, count, why)
-
-    @property
-    def dtype_name(self) -> str:
-        return self.dtype or default_dtype(self.device)
-
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p)
-
-
-def validate(config: RunConfig) -> None:
-    """Reject bad input before anything is loaded or written; fill the method's default parameters in."""
-    check_model_spec(config.model)
-    if config.method not in REGISTRY:
-        raise HarnessError(f"unknown method {config.method!r}; choose from {', '.join(sorted(REGISTRY))}")
-    cls = REGISTRY[config.method]
-    try:
-        params = parse_params(cls, config.params)
-        config.params = recorded_params(params)
-        config.sampling()
-    except (ValueError, TypeError) as exc:
-        raise HarnessError(f"{exc}; fix the option") from None
-    if config.checkpoint and cls.drafter(params) is None:
-        raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
-    if config.simulate and cls.simulate is Method.simulate:
-        raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
-    if config.simulate:
-        try:
-            cls.check_simulation(params, config.temperature)
-        except ValueError as exc:
-            raise HarnessError(str(exc)) from None
-    if config.limit is not None and config.limit < 1:
-        raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
-    if config.max_new_tokens < 1:
-        raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
-    validate_executor(config, cls)
-
-
-def validate_executor(config: RunConfig, cls) -> None:
-    """--executor, --devices and --timeout: distributed runs the families that serve ranks, one device each."""
-    if config.executor not in launch.EXECUTORS:
-        raise HarnessError(f"--executor must be one of {', '.join(launch.EXECUTORS)}, got {config.executor!r}")
-    if config.executor == "local":
-        if config.devices:
-            raise HarnessError("--devices places the stages of --executor distributed; add it or drop --devices")
-        return
-    if cls.served(parse_params(cls, config.params)) is None:
-        distributed = sorted(name for name, c in REGISTRY.items() if c.served(parse_params(c, {})) is not None)
-        raise HarnessError(f"--executor distributed runs {', '.join(distributed)}, not {config.method}")
-    if config.simulate:
-        raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
-    launch.check_deadline("--timeout", config.timeout)
-    launch.check_deadline("--join-timeout", config.join_timeout)
-    config.stage_devices  # noqa: B018 - validates --devices against n
-
-
-def load_prompts(config: RunConfig) -> list[Sample]:
-    samples = []
-    for name in config.datasets:
-        try:
-            samples += load_samples(name, config.data_dir, config.limit)
-        except HarnessError as exc:
-            if not config.skip_missing or "not found" not in str(exc):
-                raise
-            tqdm.write(f"skipping {name}: {exc}")
-    if not samples:
-        raise HarnessError("no prompts to run: every requested dataset is missing; pass --data-dir")
-    return samples
-
-
-def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
-    """Where the configuration's trained drafter lives and the command that trains it; None: it needs none."""
-    cls = REGISTRY[config.method]
-    needed = cls.drafter(parse_params(cls, config.params))
-    if needed is None:
-        return None
-    tag, command = needed
-    folder = checkpoints.find(identity, config.method, tag, config.checkpoint)
-    return folder, command
-
-
-def drafter_fingerprint(config: RunConfig, identity) -> str | None:
-    found = drafter_folder(config, identity)
-    if found is None or not (found[0] / checkpoints.WEIGHTS).exists():
-        return None
-    return checkpoints.fingerprint(found[0])
-
-
-def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
-    """`--checkpoint` naming a drafter published in a format the method's family reads (Method.import_checkpoint):
-    converted into the cache and used from there."""
-    if not config.checkpoint:
-        return
-    path, cls = Path(config.checkpoint), REGISTRY[config.method]
-    imported = cls.import_checkpoint(path, loaded, parse_params(cls, config.params))
-    if imported is not None:
-        folder, params = imported
-        config.checkpoint = str(folder)
-        config.params.update(params)
-    elif path.is_file():
-        raise HarnessError(f"{config.checkpoint} is a file that --method {config.method} does not read; pass a "
-                           f"drafter folder")
 
 
 def sample_seed(seed: int, sample: Sample) -> int:
@@ -377,10 +249,6 @@ def _flag(lossless: dict) -> str:
     if not lossless["checked"]:
         return "n/a"
     return "ok" if lossless["identical"] else f"DIVERGED@{lossless['first_divergence']}"
-
-
-def default_out(config: RunConfig, model_name: str, root: Path = Path("results")) -> Path:
-    return root / model_name.replace("/", "--") / f"{config.method}.jsonl"
 
 
 def run(config: RunConfig) -> Path | None:

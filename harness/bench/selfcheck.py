@@ -76,7 +76,7 @@ def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: in
 
 def _oracle_class(reference: dict[int, int], hit_rate: float):
     """A pipeline drafter that proposes AR's next token with probability `hit_rate`, else its own pick."""
-    from methods.pipeline.scheduler import Drafter
+    from methods.pipeline.drafter import Drafter
 
     rng = torch.Generator().manual_seed(0)
 

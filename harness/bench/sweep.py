@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harness.bench.runner import RunConfig, Runner, default_out, drafter_folder, load_prompts, validate
+from harness.bench.config import RunConfig, default_out, drafter_folder, load_prompts, validate
+from harness.bench.runner import Runner
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model

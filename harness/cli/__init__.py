@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import fields
 
 # Before torch loads: c10d logs every connection retry and timeout itself, with C++ frames, while the harness turns
 # each failure into one line that says what failed (set the variable to see them).
@@ -84,6 +85,39 @@ def _method_options(args: list[str]) -> dict:
             raise click.UsageError(f"unexpected argument {name!r}: method parameters go as --name value")
         pairs.append(f"{name[2:].replace('-', '_')}={value}")
     return _params(tuple(pairs))
+
+
+def _declared_params() -> dict[str, tuple[type, str, list[str]]]:
+    """Every parameter a registered method declares (its Params): type, help and each declaring method with its
+    default."""
+    import methods  # noqa: F401  (fills the registry)
+    from methods.base import REGISTRY
+
+    declared: dict[str, tuple[type, str, list[str]]] = {}
+    for cls in REGISTRY.values():
+        for f in fields(cls.Params):
+            kind = {"int": int, "float": float, "str": str}[getattr(f.type, "__name__", str(f.type))]
+            declared.setdefault(f.name, (kind, f.metadata.get("help", ""), []))[2].append(f"{cls.name} {f.default!r}")
+    return declared
+
+
+def param_options(lists: bool = False, skip: tuple[str, ...] = ()):
+    """A `--name` option per method parameter, from the methods' Params (type, help); default None: the method's own
+    default (each method's is listed in the help). With `lists`, each takes a comma list and arrives as
+    `<name>_values` (sweeps)."""
+
+    def decorate(command):
+        for name, (kind, text, users) in sorted(_declared_params().items(), reverse=True):
+            if name in skip:
+                continue
+            flag, about = f"--{name.replace('_', '-')}", f"{text} [default: {', '.join(users)}]"
+            if lists:
+                command = click.option(flag, f"{name}_values", default=None, help=f"Comma list. {about}")(command)
+            else:
+                command = click.option(flag, name, type=kind, default=None, help=about)(command)
+        return command
+
+    return decorate
 
 
 @click.group(cls=_Group)

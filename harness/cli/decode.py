@@ -6,19 +6,14 @@ from pathlib import Path
 
 import click
 
-from harness.cli import _method_options, _params, _values, main, prompt_options
+from harness.cli import _method_options, _params, _values, main, param_options, prompt_options
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--method", default="autoregressive", show_default=True, help="Registered decoding method.")
 @click.option("--param", "param_pairs", multiple=True,
-              help="Method parameter name=value (repeatable); `--name value` works too for any parameter the method "
-                   "declares (e.g. --fan-out 3 for ssd).")
-@click.option("--n", type=int, default=None, help="Pipeline stages (pipeline methods).")
-@click.option("--ls", type=int, default=None, help="Drafter decoder layers (pipeline methods).")
-@click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule (spd).")
-@click.option("--width", type=int, default=None, help="Draft width (1 = chain).")
-@click.option("--m", type=int, default=None, help="Draft depth per round (eagle3).")
+              help="Method parameter name=value (repeatable); each parameter also has its own option below.")
+@param_options()
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -41,14 +36,12 @@ from harness.cli import _method_options, _params, _values, main, prompt_options
               help="--executor distributed: the start deadline, seconds the ranks may take to start and load what "
                    "they serve (a spawned rank that exits meanwhile ends the wait at once).")
 @click.pass_context
-def run(ctx, method, param_pairs, n, ls, schedule, width, m, model, datasets, temperature, top_k, top_p, max_new_tokens,
-        limit, seed, device, dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
-        join_timeout):
+def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device,
+        dtype, data_dir, out, checkpoint, skip_missing, simulate, executor, devices, timeout, join_timeout, **named):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
-    from harness.bench.runner import RunConfig
+    from harness.bench.config import RunConfig
     from harness.bench.runner import run as run_config
 
-    named = {"n": n, "ls": ls, "schedule": schedule, "width": width, "m": m}
     params = {**_params(param_pairs), **_method_options(ctx.args),
               **{k: v for k, v in named.items() if v is not None}}
     config = RunConfig(
@@ -73,9 +66,9 @@ def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed
            checkpoint):
     """Train/decode parity of a pipeline drafter: its top-1 per (position, fill level) on the greedy AR output, through
     the training layout, the decoding engine and the replay; exits 1 on any disagreement beyond near-ties."""
+    from harness.bench.config import RunConfig
     from harness.bench.parity import check as parity_check
     from harness.bench.parity import table
-    from harness.bench.runner import RunConfig
 
     if simulate:
         raise click.UsageError("parity always compares the engine with the training layout; drop --simulate")
@@ -93,11 +86,7 @@ def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed
 @click.option("--preset", type=click.Choice(["paper"]), default=None,
               help="paper: EAGLE-3 m 3/7/15, PPSD n 4/8/16, SPD n 4/8/16 x Ls 1-4 (+ output ablation), T 0/1, width 1/4.")
 @click.option("--method", "methods", default=None, help="Comma list of methods (instead of --preset).")
-@click.option("--n", "n_values", default=None, help="Comma list of pipeline stages.")
-@click.option("--ls", "ls_values", default=None, help="Comma list of drafter layers.")
-@click.option("--schedule", "schedules", default=None, help="Comma list: input, output.")
-@click.option("--m", "m_values", default=None, help="Comma list of EAGLE-3 draft depths.")
-@click.option("--ttt", "ttt_values", default=None, help="EAGLE-3 head(s) by training-time-test depth (default 7).")
+@param_options(lists=True, skip=("width",))
 @click.option("--width", "widths", default="1", show_default=True, help="Comma list of draft widths.")
 @click.option("--temperature", "temperatures", default="0", show_default=True, help="Comma list of temperatures.")
 @click.option("--top-k", type=int, default=0, show_default=True,
@@ -107,12 +96,13 @@ def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed
 @prompt_options
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results root (default results/): records go to <root>/<model>/<method>.jsonl.")
-def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values, widths, temperatures, top_k, top_p,
-          model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, results, simulate):
+def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, max_new_tokens, limit, seed, device,
+          dtype, data_dir, results, simulate, **param_values):
     """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
-    from harness.bench.runner import RunConfig
+    from harness.bench.config import RunConfig
     from harness.bench.sweep import grid
     from harness.bench.sweep import sweep as run_sweep
+    from harness.cli import _declared_params
     from harness.reporting.paper import paper_grid
 
     if (preset is None) == (methods is None):
@@ -120,8 +110,9 @@ def sweep(preset, methods, n_values, ls_values, schedules, m_values, ttt_values,
     if preset:
         points = paper_grid()
     else:
-        values = {"n": _values(n_values), "ls": _values(ls_values), "schedule": _values(schedules, str),
-                  "m": _values(m_values), "ttt": _values(ttt_values)}
+        kinds = {name: kind for name, (kind, _, _) in _declared_params().items()}
+        values = {name.removesuffix("_values"): _values(text, kinds[name.removesuffix("_values")])
+                  for name, text in param_values.items()}
         points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths), (top_k, top_p))
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)

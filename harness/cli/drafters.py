@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from harness.cli import _params, _values, device_option, dtype_option, main, model_option
+from harness.cli import _params, _values, device_option, dtype_option, main, model_option, param_options
 from harness.runtime.errors import HarnessError
 
 
@@ -106,11 +106,9 @@ def train(methods, n_values, ls_values, schedules, ttt_values, eagle_layout, agg
 @main.command()
 @click.option("--method", required=True, help="Method whose drafter to ship (spd, ppsd, eagle3).")
 @click.option("--param", "param_pairs", multiple=True, help="Method parameter name=value (repeatable).")
-@click.option("--n", type=int, default=None, help="Pipeline stages.")
-@click.option("--ls", type=int, default=None, help="Drafter decoder layers.")
-@click.option("--schedule", type=click.Choice(["input", "output"]), default=None)
+@param_options()
 @model_option
-def ship(method, param_pairs, n, ls, schedule, model):
+def ship(method, param_pairs, model, **named):
     """Copy a trained drafter from the cache into drafters/<model>/ as bf16 safetensors + config (at most 40 MB),
     where `run` finds it when the cache has none."""
     from harness.runtime import checkpoints
@@ -119,7 +117,6 @@ def ship(method, param_pairs, n, ls, schedule, model):
 
     if method not in REGISTRY or REGISTRY[method].drafter(parse_params(REGISTRY[method], {})) is None:
         raise click.BadParameter(f"--method must name a method with a trained drafter, got {method!r}")
-    named = {"n": n, "ls": ls, "schedule": schedule}
     params = {**_params(param_pairs), **{k: v for k, v in named.items() if v is not None}}
     try:
         tag, command = REGISTRY[method].drafter(parse_params(REGISTRY[method], params))

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from harness.cli import data_option, device_option, main
+from harness.reporting.export import formats, formats_help
 from harness.runtime.errors import HarnessError
 
 
@@ -65,8 +66,7 @@ def report(results, fmt, out, summary):
 
 
 @main.command()
-@click.option("--format", "fmt", type=click.Choice(["spec-bench", "reference"]), required=True,
-              help="spec-bench: Spec-Bench answer files; reference: the reference code's per-sample JSONL (pipeline).")
+@click.option("--format", "fmt", type=click.Choice(list(formats())), required=True, help=formats_help())
 @click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
               help="Results file or folder.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")

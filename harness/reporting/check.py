@@ -14,7 +14,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.bench.runner import RunConfig, Runner, default_out, load_prompts, validate
+from harness.bench.config import RunConfig, default_out, load_prompts, validate
+from harness.bench.runner import Runner
 from harness.bench.sweep import missing_drafter
 from harness.reporting.metrics import OVERALL, Summary
 from harness.runtime.errors import HarnessError

@@ -5,10 +5,9 @@
   Its `speed.py` takes a configuration's file and the autoregressive one as `--base-path`; its `equal.py` compares the
   `turns` of two files. The category is the dataset name (its `overall` task reads every line). Simulated records
   have no wall time and are skipped.
-- `reference`: the reference code's per-sample JSONL for pipeline runs, every field its eval script writes, by its
-  definitions (`reference_sample`), one file per configuration, so its aggregation (pooled N / S, n * sum N / sum S,
-  token-weighted mean theoretical gain, pooled flags and tokens per second) applies unchanged. Records of other
-  methods have no such file and are counted as skipped.
+- a family's own formats (`Method.exports`; the pipeline family's `reference`: the reference code's per-sample JSONL,
+  methods/pipeline/export.py), one file per configuration. Records of methods without the format are counted as
+  skipped.
 
 File names are derived from the configuration (safe characters only, its key last, so they stay unique), and a
 folder receives all of an export's files or none.
@@ -28,7 +27,28 @@ from pathlib import Path
 from harness.runtime.errors import HarnessError
 from harness.runtime.paths import check_out_path
 
-FORMATS = ("spec-bench", "reference")
+SPEC_BENCH = "spec-bench"
+
+
+def formats() -> dict[str, list[str]]:
+    """Every export format and the methods whose records it writes (Spec-Bench's: every method's)."""
+    import methods  # noqa: F401  (fills the registry)
+    from methods.base import REGISTRY
+
+    found = {SPEC_BENCH: sorted(REGISTRY)}
+    for name, cls in REGISTRY.items():
+        for fmt in cls.exports:
+            found.setdefault(fmt, []).append(name)
+    return found
+
+
+def formats_help() -> str:
+    """What each format is, for --help."""
+    from methods.base import REGISTRY
+
+    about = {fmt: spec.about for cls in REGISTRY.values() for fmt, spec in cls.exports.items()}
+    return "; ".join(f"{fmt}: {about.get(fmt, 'Spec-Bench answer files')} ({', '.join(names)})"
+                     for fmt, names in formats().items())
 
 
 def _name(row: dict) -> str:
@@ -70,77 +90,6 @@ def spec_bench_answer(row: dict) -> dict:
     }
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else 0.0
-
-
-def reference_sample(row: dict, index: int, question: str | None) -> dict:
-    """One row of the reference's eval output, every field it writes, by its definitions: N new tokens (the prefill
-    token included), S decode-loop steps, `acceptance_rate` N / S, `equivalent_accept_length` n N / S; its toy timing
-    model (a standard step 1 s, a pipeline step 1/n s) gives the theoretical times and `theoretical_throughput_gain_pct`
-    = (n N / S - 1) * 100; its acceptance flags count the prefill token as one accepted flag. The "ideal" times are
-    the decode with the stages' compute run in parallel (one process: the stage seconds shrink to the largest
-    stage's share; distributed: they already ran in parallel, nothing is saved)."""
-    shape, stats, timing = row["stats"]["pipeline"], row["stats"], row.get("timing") or {}
-    n, steps, tokens = shape["n"], row["steps"], row["new_tokens"]
-    pipe_time = max(steps, 1) / n
-    executor = stats.get("executor") or {}
-    distributed = executor.get("kind") == "distributed"
-    stage_s = sum(executor.get("stage_forward_s", [])) if distributed else timing.get("stages", 0.0)
-    saved = 0.0 if distributed else stage_s * (1 - shape["largest_stage"] / shape["num_layers"])
-    decode = timing.get("decode", 0.0)
-    ideal = decode - saved
-    baseline = row.get("baseline") or {}
-    base_decode = (baseline.get("timing") or {}).get("decode", 0.0)
-    base_tok_s = _ratio(baseline.get("new_tokens", 0), base_decode) if baseline else None
-    out = {
-        "index": index,
-        "dataset": row["dataset"],
-        "question_id": row["question_id"],
-        "question": question,
-        "generated": row["output_text"],
-        "new_tokens": tokens,
-        "decode_loop_steps": steps,
-        "acceptance_rate": _ratio(tokens, steps),
-        "equivalent_accept_length": n * _ratio(tokens, steps),
-        "n_accepted": sum(row["position_accepts"]) + 1,  # the prefill token is an accepted flag there
-        "n_acceptance_flags": sum(stats.get("fill_drafts", [])) + 1,
-        "theoretical_std_time_sec": float(tokens),
-        "theoretical_pipe_time_sec": pipe_time if tokens else 0.0,
-        "theoretical_std_tok_s": 1.0 if tokens else 0.0,
-        "theoretical_pipe_tok_s": tokens / pipe_time if tokens else 0.0,
-        "theoretical_throughput_gain_pct": (tokens / pipe_time - 1.0) * 100.0 if tokens else 0.0,
-        "wall_time_sec": _wall(row),
-        "num_stages": n,
-        "use_deepest": True,  # finished tokens draft from their deepest features, as the reference's v11 heads
-        "draft_top_k": shape["width"],
-        "pipeline_prefill_wall_sec": timing.get("prefill", 0.0),
-        "pipeline_decode_wall_sec": decode,
-        "pipeline_decode_tok_s": _ratio(tokens, decode),
-        "pipeline_stage_stream_gpu_sec": stage_s,
-        "pipeline_ideal_parallel_saved_sec": saved,
-        "ideal_decode_wall_sec": ideal,
-        "pipeline_ideal_decode_tok_s": _ratio(tokens, ideal),
-        # beyond the reference's fields: the sampling, the stage split and our losslessness verdict
-        "temperature": row["temperature"],
-        "top_k": row.get("top_k", 0),
-        "top_p": row.get("top_p", 1.0),
-        "theoretical_pipeline_parallel_factor": shape["num_layers"] / shape["largest_stage"],
-        "prompt_len": row.get("prompt_tokens"),
-        "lossless": row["lossless"],
-    }
-    if baseline:
-        out.update({
-            "baseline_prefill_wall_sec": (baseline.get("timing") or {}).get("prefill", 0.0),
-            "baseline_decode_wall_sec": base_decode,
-            "baseline_new_tokens": baseline.get("new_tokens", 0),
-            "baseline_decode_tok_s": base_tok_s,
-            "speedup_vs_baseline": _ratio(out["pipeline_decode_tok_s"], base_tok_s or 0.0) or None,
-            "ideal_speedup_vs_baseline": _ratio(out["pipeline_ideal_decode_tok_s"], base_tok_s or 0.0) or None,
-        })
-    return out
-
-
 def _questions(rows: list[dict]) -> dict[tuple[str, str], str]:
     """The prompt text per (dataset, question id) from the prompt sets, where they load here (else none)."""
     from harness.bench.data import load_samples
@@ -156,27 +105,37 @@ def _questions(rows: list[dict]) -> dict[tuple[str, str], str]:
 
 def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
     """Write one file per configuration under `out`; returns the files and how many records had no such format."""
-    if fmt not in FORMATS:
-        raise HarnessError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    known = formats()
+    if fmt not in known:
+        raise HarnessError(f"--format must be one of {', '.join(known)}, got {fmt!r}")
     groups: dict[str, list[dict]] = defaultdict(list)
     skipped = 0
     for row in sorted(rows, key=lambda r: (r["dataset"], str(r["question_id"]))):
-        if (fmt == "reference" and "pipeline" not in row.get("stats", {})) or (
-                fmt == "spec-bench" and row.get("simulated")):  # a replay has no wall time to divide by
+        if row["method"] not in known[fmt] or (
+                fmt == SPEC_BENCH and row.get("simulated")):  # a replay has no wall time to divide by
             skipped += 1
             continue
         groups[_file_name(row)].append(row)
     if not groups:
-        raise HarnessError(f"no records to export as {fmt} (reference: pipeline runs only); run `spd-bench run` first")
+        raise HarnessError(f"no records to export as {fmt} ({fmt}: {', '.join(known[fmt])} runs only); run "
+                           f"`spd-bench run` first")
     check_out_path(out, folder=True)
-    questions = _questions(rows) if fmt == "reference" else {}
+    if fmt == SPEC_BENCH:
+        files = {f"{name}.jsonl": [spec_bench_answer(r) for r in group] for name, group in sorted(groups.items())}
+        return _write_all(out, files), skipped
+    questions = _questions(rows)
     files = {}
     for name, group in sorted(groups.items()):
-        lines = [spec_bench_answer(r) if fmt == "spec-bench" else
-                 reference_sample(r, i, questions.get((r["dataset"], str(r["question_id"]))))
-                 for i, r in enumerate(group)]
-        files[f"{name}{'__per_sample' if fmt == 'reference' else ''}.jsonl"] = lines
+        family = _family(group[0]["method"]).exports[fmt]
+        files[f"{name}{family.suffix}.jsonl"] = [
+            family.sample(r, i, questions.get((r["dataset"], str(r["question_id"])))) for i, r in enumerate(group)]
     return _write_all(out, files), skipped
+
+
+def _family(method: str):
+    from methods.base import REGISTRY
+
+    return REGISTRY[method]
 
 
 def _write_all(out: Path, files: dict[str, list[dict]]) -> list[Path]:

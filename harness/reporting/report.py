@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.bench.config import RunConfig
 from harness.bench.data import DATASETS
-from harness.bench.runner import RunConfig
 from harness.bench.sweep import GridPoint
-from harness.reporting.claims import verdicts
 from harness.reporting.metrics import OVERALL, Block, Summary, find, sampling_label
-from harness.reporting.paper import MEAN, REFERENCES, Reference, paper_grid, paper_truncation
+from harness.reporting.paper import MEAN, REFERENCES, Reference, paper_grid, paper_truncation, verdicts
 
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")

@@ -18,13 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from harness.runtime.models import load_model
 from harness.runtime.provenance import versions
 from harness.runtime.results import ResultStore, config_key
-from harness.runtime.target import TargetRuntime
-from harness.training.corpus import conversations
 from harness.training.features import FeatureCache
-from harness.training.train import DrafterTrainer, TrainConfig, draft_vocabulary, training_chunks
+from harness.training.train import TrainConfig, prepare
 
 
 @dataclass
@@ -55,13 +52,9 @@ def _rate(tokens: int, seconds: float) -> float:
 def bench_train(config: TrainConfig, timed_steps: int) -> list[TrainBench]:
     """Time `timed_steps` batches of the teacher and of every drafter in `config` (one warm-up batch first)."""
     config.tokens = (timed_steps + 1) * config.batch_size * config.seq_len
-    loaded = load_model(config.model, config.device, config.dtype)
-    target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
-    convs = list(conversations())[: -config.val_conversations]
-    chunks = training_chunks(config, loaded, convs)
-    draft_ids = draft_vocabulary(loaded, convs, chunks, config.draft_vocab)
-    trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
-    layers = tuple(sorted({layer for t in trainers for layer in t.module.config.all_feature_layers()}))
+    run = prepare(config)
+    loaded, target, chunks, draft_ids, trainers, layers = (run.loaded, run.target, run.chunks, run.draft_ids,
+                                                           run.trainers, run.layers)
     teacher_s, read_s, drafter_s = 0.0, 0.0, [0.0] * len(trainers)
     rng = random.Random(config.seed)
     with tempfile.TemporaryDirectory(prefix="spd-bench-features-") as scratch:

@@ -48,7 +48,7 @@ class TrainConfig:
     partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
     corpus: str = "sharegpt"  # ShareGPT replies as written, or "self": the target's greedy replies (regenerate.py)
     reply_tokens: int = 256  # longest regenerated reply
-    init: str = "target"  # pipeline drafter layers start as the target's last layers, or as identity (objectives.py)
+    init: str = "target"  # pipeline drafter layers start as the target's last layers, or as identity (methods/pipeline/objective.py)
     autocast: bool = True  # forward/backward on a bf16 copy under autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
     val_chunks: int = 8
@@ -272,11 +272,27 @@ def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[d
                        f"{needed} that --tokens {config.tokens} needs; lower --tokens")
 
 
-@torch.inference_mode(False)
-@torch.enable_grad()
-def train(config: TrainConfig) -> list[Path]:
-    """Train every drafter in `config.drafters` on shared teacher passes; returns their checkpoint folders."""
-    torch.manual_seed(config.seed)
+@dataclass
+class Run:
+    """What every drafter of one training run shares: the target, the corpus's chunks and held-out conversations, the
+    draft vocabulary and one trainer per drafter."""
+
+    loaded: LoadedModel
+    target: TargetRuntime
+    chunks: list
+    held_out: list
+    draft_ids: torch.Tensor | None
+    trainers: list[DrafterTrainer]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The target layers any of the drafters reads (one teacher pass captures them all)."""
+        return tuple(sorted({layer for t in self.trainers for layer in t.module.config.all_feature_layers()}))
+
+
+def prepare(config: TrainConfig) -> Run:
+    """Load the target, chunk the corpus (its last `val_conversations` held out), build the draft vocabulary (a
+    resumed run's own) and a trainer per drafter."""
     loaded = load_model(config.model, config.device, config.dtype)
     for spec in config.drafters:
         check_fit(spec.method, spec.params, len(loaded.model.model.layers))
@@ -284,44 +300,40 @@ def train(config: TrainConfig) -> list[Path]:
     convs = list(conversations())
     held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]
     chunks = training_chunks(config, loaded, train_convs)
-    val_chunks = _chunks(loaded, held_out, config.seq_len)[:config.val_chunks]
     draft_ids = _saved_draft_ids(target, config) if config.resume else None
     if draft_ids is None:
         draft_ids = draft_vocabulary(loaded, train_convs, chunks, config.draft_vocab)
     trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
+    return Run(loaded, target, chunks, held_out, draft_ids, trainers)
+
+
+@torch.inference_mode(False)
+@torch.enable_grad()
+def train(config: TrainConfig) -> list[Path]:
+    """Train every drafter in `config.drafters` on shared teacher passes; returns their checkpoint folders."""
+    torch.manual_seed(config.seed)
+    run = prepare(config)
+    trainers, target, draft_ids = run.trainers, run.target, run.draft_ids
     for trainer in trainers:
         if not config.resume and trainer.folder.exists():
             raise HarnessError(f"checkpoint {trainer.folder} exists; pass --resume to continue it or delete it")
         if config.resume:
             trainer.resume()
-    layers = tuple(sorted({layer for t in trainers for layer in t.module.config.all_feature_layers()}))
-    val_inputs = _teacher_inputs(target, val_chunks, layers)
-    prompts = first_turns(loaded, held_out, config.val_prompts, max_prompt=4 * config.seq_len)
-    trajectories = greedy_trajectories(loaded, prompts, config.val_new_tokens, layers, stop_ids(loaded)) \
-        if prompts else None
+    val_chunks = _chunks(run.loaded, run.held_out, config.seq_len)[:config.val_chunks]
+    val_inputs = _teacher_inputs(target, val_chunks, run.layers)
+    prompts = first_turns(run.loaded, run.held_out, config.val_prompts, max_prompt=4 * config.seq_len)
+    trajectories = greedy_trajectories(run.loaded, prompts, config.val_new_tokens, run.layers,
+                                       stop_ids(run.loaded)) if prompts else None
     start, start_steps = min(t.step for t in trainers), {id(t): t.step for t in trainers}
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True)
-    cache = FeatureCache(target, config.corpus, config.seq_len, layers, draft_ids, store=config.feature_cache)
+    cache = FeatureCache(target, config.corpus, config.seq_len, run.layers, draft_ids, store=config.feature_cache)
     began = time.perf_counter()
     for step in range(start, config.steps):
-        index = config.batch_chunks(step)
-        ids = torch.stack([chunks[i].ids for i in index]).to(target.device)
-        mask = torch.stack([chunks[i].loss_mask for i in index]).to(target.device)
-        with torch.no_grad():
-            taught = cache.batch(index, ids)
-        rng = random.Random(config.seed * 1_000_003 + step)
-        postfix = {}
-        for trainer in trainers:
-            if trainer.step > step:
-                continue
-            stats = trainer.train_step(taught.features, ids, taught.p_draft, mask, rng)
-            trainer.tokens += ids.numel()
-            postfix[f"{trainer.spec.method}-{trainer.spec.tag}"] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
+        tokens, postfix = _step(run, config, cache, step)
         done = step + 1
-        tokens_s = (done - start) * ids.numel() / (time.perf_counter() - began)
-        bar.set_postfix(tok_s=f"{tokens_s:.0f}", epoch=step // config.steps_per_epoch + 1, cached=cache.read,
-                        **postfix)
+        bar.set_postfix(tok_s=f"{(done - start) * tokens / (time.perf_counter() - began):.0f}",
+                        epoch=step // config.steps_per_epoch + 1, cached=cache.read, **postfix)
         bar.update()
         if done % config.save_every == 0 or done == config.steps:
             trained = [t for t in trainers if t.step == done and done > start_steps[id(t)]]  # not one resumed done
@@ -331,8 +343,27 @@ def train(config: TrainConfig) -> list[Path]:
                 trainer.save({"config": _config_dict(config)})
             bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
     bar.close()
-    _record(loaded, config, [t for t in trainers if t.step > start_steps[id(t)]])
+    _record(run.loaded, config, [t for t in trainers if t.step > start_steps[id(t)]])
     return [t.folder for t in trainers]
+
+
+def _step(run: Run, config: TrainConfig, cache: FeatureCache, step: int) -> tuple[int, dict[str, str]]:
+    """One batch: the teacher's outputs (computed or read back), then a step of every drafter not past it; returns
+    the batch's tokens and each drafter's loss and top-1 for the progress bar."""
+    index = config.batch_chunks(step)
+    ids = torch.stack([run.chunks[i].ids for i in index]).to(run.target.device)
+    mask = torch.stack([run.chunks[i].loss_mask for i in index]).to(run.target.device)
+    with torch.no_grad():
+        taught = cache.batch(index, ids)
+    rng = random.Random(config.seed * 1_000_003 + step)
+    postfix = {}
+    for trainer in run.trainers:
+        if trainer.step > step:
+            continue
+        stats = trainer.train_step(taught.features, ids, taught.p_draft, mask, rng)
+        trainer.tokens += ids.numel()
+        postfix[f"{trainer.spec.method}-{trainer.spec.tag}"] = f"loss {stats['loss']:.3f} top1 {stats['top1']:.2f}"
+    return ids.numel(), postfix
 
 
 def _validation_line(trainer: DrafterTrainer) -> str:

@@ -5,13 +5,13 @@ the longest accepted path (its KV compacted into place) and adds one bonus token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from harness.runtime.target import TargetRuntime
-from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, register
+from methods.base import Generation, Method, Timer, param, register
 from methods.eagle3.head import LAYOUTS, EagleHead, HeadSession, head_tag, load_head, train_command
 from methods.eagle3.interop import import_eagle3, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
@@ -22,11 +22,11 @@ from methods.teacher import Teacher
 
 @dataclass(frozen=True)
 class EagleParams:
-    m: int = 7  # draft depth per round
-    width: int = 1  # 1: a chain; W: the W best branches per depth by cumulative draft log-probability
-    ttt: int = 7  # which trained head: the training-time-test depth it was trained with
-    # which kind of head: the harness's own or the EAGLE-3 authors' layer (eagle_head.py)
-    layout: str = field(default="harness", metadata=RECORDED_WHEN_SET)
+    m: int = param(7, "Draft depth per round.")
+    width: int = param(1, "1: a chain; W: the W best branches per depth by cumulative draft log-probability.")
+    ttt: int = param(7, "Which trained head: the training-time-test depth it was trained with.")
+    layout: str = param("harness", "Which kind of head: the harness's own layer or the EAGLE-3 authors' (eagle3).",
+                        recorded_when_set=True)
 
     def __post_init__(self):
         if min(self.m, self.width, self.ttt) < 1:

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import Generation, Method, Timer, register
+from methods.base import Generation, Method, Timer, param, register
 from methods.rounds import Rounds, chain, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
 
 
 @dataclass(frozen=True)
 class LookupParams:
-    k: int = 10  # the most drafts per round
-    max_ngram: int = 3  # the longest suffix looked up
-    min_ngram: int = 1  # the shortest
+    k: int = param(10, "The most drafts per round.")
+    max_ngram: int = param(3, "The longest suffix looked up.")
+    min_ngram: int = param(1, "The shortest suffix looked up.")
 
     def __post_init__(self):
         if min(self.k, self.min_ngram) < 1 or self.max_ngram < self.min_ngram:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from methods.pipeline.drafter import Drafter
 from methods.pipeline.grouped_layout import grouped_logits
 from methods.pipeline.replay import fill_state_accepts
-from methods.pipeline.scheduler import Drafter, PipelineEngine, fill_level
+from methods.pipeline.scheduler import PipelineEngine, fill_level
 from methods.pipeline.speculator import Speculator
 from methods.sampling import Sampler, SamplingConfig
 from methods.teacher import Teacher

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from methods.base import register
+from methods.base import param, register
 from methods.pipeline.spd import SPD, PipelineParams
 
 
 @dataclass(frozen=True)
 class PPSDParams(PipelineParams):
-    ls: int = 1
-    schedule: str = "output"
+    ls: int = param(1, "Drafter decoder layers.")
+    schedule: str = param("output", "PPSD drafts after each step (output).")
 
     def __post_init__(self):
         if self.schedule != "output":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,7 +10,8 @@ import torch
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
-from methods.base import RECORDED_WHEN_SET, Generation, Method, register
+from methods.base import Generation, Method, param, register
+from methods.pipeline.export import REFERENCE
 from methods.pipeline.replay import simulate
 from methods.pipeline.scheduler import PipelineEngine
 from methods.pipeline.speculator import SCHEDULES, Speculator, SpeculatorConfig, drafter_tag
@@ -21,13 +22,14 @@ PREFILL_FEATURES = ("pre-norm", "reference")
 
 @dataclass(frozen=True)
 class PipelineParams:
-    n: int = 8
-    ls: int = 4
-    schedule: str = "input"
-    width: int = 1
-    # "reference": the prompt's features at a bound equal to the layer count are taken after the final norm, as the
-    # reference code's single-process prefill reads HF's hidden_states[L] (its decoding and training use pre-norm)
-    prefill_features: str = field(default="pre-norm", metadata=RECORDED_WHEN_SET)
+    n: int = param(8, "Pipeline stages: the target's layers in n near-even stages, n tokens in flight.")
+    ls: int = param(4, "Drafter decoder layers.")
+    schedule: str = param("input", "The drafter reads the features before each step (input) or after it (output).")
+    width: int = param(1, "Draft width: candidates per drafted position (1: a chain).")
+    # "reference": as the reference code's single-process prefill reads HF's hidden_states[L] (its decoding and
+    # training use pre-norm)
+    prefill_features: str = param("pre-norm", "pre-norm, or reference: the prompt's features at a bound equal to the "
+                                              "layer count taken after the final norm.", recorded_when_set=True)
 
     def __post_init__(self):
         if self.width < 1 or self.n < 1:
@@ -65,6 +67,7 @@ class SPD(Method):
     Params = PipelineParams
     policy = "multi_depth"
     trainable = True
+    exports = {"reference": REFERENCE}
 
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:

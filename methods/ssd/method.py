@@ -30,13 +30,13 @@ its decode time beside AR's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from harness.runtime.errors import HarnessError
-from methods.base import RECORDED_WHEN_SET, Generation, Method, Timer, register
+from methods.base import Generation, Method, Timer, param, register
 from methods.eagle3.head import head_tag, train_command
 from methods.rounds import Rounds, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
@@ -49,14 +49,14 @@ MAX_SPECULATED = 240  # tree rows per round: the runtime keeps 256 slots above t
 
 @dataclass(frozen=True)
 class SSDParams:
-    k: int = 4  # drafts per round
-    fan_out: int = 3  # bonus tokens guessed per accepted count
-    fan_out_list: str = ""  # "F0,F1,..,Fk": guesses per accepted count 0..k (overrides fan_out)
-    saguaro_x: float = 1.0  # Saguaro sampling: scale of the drafter's top fan_out + 1 probabilities (1: off)
-    fallback: str = "jit"  # on a cache miss: draft k tokens now (jit) or verify none (none)
-    ttt: int = 7  # which trained EAGLE-3 head drafts
-    # a standalone draft model with the target's tokenizer instead of the head (embedded name, folder or hub id)
-    draft_model: str = field(default="", metadata=RECORDED_WHEN_SET)
+    k: int = param(4, "Drafts per round.")
+    fan_out: int = param(3, "Bonus tokens guessed per accepted count.")
+    fan_out_list: str = param("", "F0,F1,..,Fk: guesses per accepted count 0..k (overrides fan_out).")
+    saguaro_x: float = param(1.0, "Saguaro sampling: scale of the drafter's top fan_out + 1 probabilities (1: off).")
+    fallback: str = param("jit", "On a cache miss: draft k tokens now (jit) or verify none (none).")
+    ttt: int = param(7, "Which trained EAGLE-3 head drafts.")
+    draft_model: str = param("", "A standalone draft model with the target's tokenizer instead of the head "
+                                 "(embedded name, folder or hub id).", recorded_when_set=True)
 
     def __post_init__(self):
         if min(self.k, self.fan_out, self.ttt) < 1:
@@ -188,8 +188,7 @@ class SSD(Method):
         AR's is."""
         timer = Timer(self.target.device)
         first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
-        synchronous = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.verify,
-                                   synchronous=True)
+        synchronous = self.synchronous_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
         generation.timing["synchronous_decode"] = synchronous.timing["decode"]
         generation.stats.update(synchronous_tokens=len(synchronous.output_ids), synchronous_samples=1)
 
@@ -214,9 +213,8 @@ class SSD(Method):
             self.target, prompt_ids, trajectory, self.drafter.layers, sampler)
 
     def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
-                timer: Timer, verify, synchronous: bool = False) -> Generation:
-        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback
-        (`synchronous`: no speculation, every round drafts k tokens before it verifies them)."""
+                timer: Timer, verify) -> Generation:
+        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback."""
         speculation = self.speculation
         with timer("prefill"):
             head = self.drafter.started(self.target.max_len, prompt_ids, first, captured)
@@ -227,13 +225,11 @@ class SSD(Method):
                 base = len(prompt_ids) + rounds.base  # position of the newest committed token
                 before = dict(timer.totals)
                 if drafts is None:
-                    drafts = speculation.fallback(head, base, sampler, timer, synchronous)
+                    drafts = speculation.fallback(head, base, sampler, timer)
                     log.fallback_drafts += len(drafts) > 0
                 log.hits.append(int(cached))
-                cache = {}
-                if not synchronous:
-                    with timer("speculate"):
-                        cache = speculation.speculate(head, base, drafts, sampler)
+                with timer("speculate"):
+                    cache = speculation.speculate(head, base, drafts, sampler)
                 with timer("verify"):
                     path, bonus, features = verify(drafts, rounds.output[-1], base, sampler)
                 new = rounds.commit_path(drafts, path, bonus)
@@ -246,6 +242,24 @@ class SSD(Method):
         return rounds.generation({**timer.totals, "modeled": log.modeled},
                                  {"hits": log.hits, "cache_hits": sum(log.hits), "fallback_drafts": log.fallback_drafts,
                                   "speculated": log.speculated, "draft": self._shape()})
+
+    def synchronous_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
+                           sampler: Sampler, timer: Timer) -> Generation:
+        """Synchronous speculative decoding with SSD's drafter: each round drafts k tokens from the drafter's own
+        distribution (no cache, no Saguaro), then verifies them."""
+        with timer("prefill"):
+            head = self.drafter.started(self.target.max_len, prompt_ids, first, captured)
+        rounds = Rounds([first], self.params.k, max_new_tokens, self.stop_ids)
+        with timer("decode"):
+            while not rounds.done:
+                base = len(prompt_ids) + rounds.base
+                drafts = self.speculation.draft(head, base, sampler, timer)
+                with timer("verify"):
+                    path, bonus, features = self.verify(drafts, rounds.output[-1], base, sampler)
+                new = rounds.commit_path(drafts, path, bonus)
+                with timer("head_update"):
+                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
+        return rounds.generation(timer.totals, {"draft": self._shape()})
 
     def _remote_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
                        sampler: Sampler, timer: Timer) -> Generation:

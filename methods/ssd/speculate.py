@@ -33,14 +33,20 @@ class Speculation:
         here; a subclass with state of its own returns it)."""
         return {}
 
-    def fallback(self, head, base: int, sampler: Sampler, timer: Timer, synchronous: bool = False) -> list[Node]:
-        """The drafts of a round nothing was cached for: k drafted now (jit), or none; a synchronous round always
-        drafts k, from the drafter's own distribution."""
-        if self.params.fallback == "none" and not synchronous:
+    def fallback(self, head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
+        """The drafts of a round nothing was cached for: k drafted now (jit, with Saguaro's q), or none."""
+        if self.params.fallback == "none":
             return []
         with timer("fallback"):
             nodes: list[Node] = []
-            self._extend(head, nodes, [-1], base, sampler, 1.0 if synchronous else self.params.saguaro_x)
+            self._extend(head, nodes, [-1], base, sampler, self.params.saguaro_x)
+        return nodes
+
+    def draft(self, head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
+        """A synchronous round's k drafts, from the drafter's own distribution (timed as the fallback's drafting)."""
+        with timer("fallback"):
+            nodes: list[Node] = []
+            self._extend(head, nodes, [-1], base, sampler, 1.0)
         return nodes
 
     def speculate(self, head, base: int, drafts: list[Node], sampler: Sampler) -> dict[tuple, list[Node]]:
