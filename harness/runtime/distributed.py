@@ -106,6 +106,63 @@ class PlanUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"the plan names {module}.{name}, which a served rank does not build")
 
 
+# --- the wire ---------------------------------------------------------------------------------------------------------
+STOP = 0  # op 0 of every family's protocol: a served rank's loop ends
+
+
+class Channel:
+    """The one wire protocol of every served family: a control vector of `size` integers broadcast by the driver
+    (rank 0) to every rank, its first the operation, and tensors point to point between the driver and one rank.
+    On the driver every wait goes through `guard` (StageGroup.guarded: the run deadline and one line naming the failed
+    rank); a served rank's failure ends its loop and reaches the driver through the group."""
+
+    def __init__(self, wire: torch.device, device: torch.device, size: int, guard: Callable | None = None):
+        self.wire, self.device, self.size = wire, device, size
+        self.guard = guard or (lambda action: action())
+
+    def control(self, op: int, *values: int, tail: list[int] = ()) -> None:
+        """The driver's next operation for every rank: `values` after the op, `tail` at the vector's end."""
+        vector = torch.zeros(self.size, dtype=torch.long)
+        vector[0] = op
+        vector[1: 1 + len(values)] = torch.tensor(values, dtype=torch.long)
+        if tail:
+            vector[self.size - len(tail):] = torch.tensor(tail, dtype=torch.long)
+        self.guard(lambda: dist.broadcast(vector.to(self.wire), src=0))
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.guard(lambda: dist.send(tensor.to(self.wire).contiguous(), dst=peer))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
+        self.guard(lambda: dist.recv(buffer, src=peer))
+        return buffer.to(self.device)
+
+    def exchange(self, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]]) -> None:
+        """Post every send and receive at once, then wait (the ranks of one step compute concurrently); `incoming`
+        buffers live on the wire."""
+
+        def run():
+            works = [dist.isend(t.to(self.wire).contiguous(), dst=rank) for rank, t in outgoing]
+            works += [dist.irecv(buffer, src=rank) for rank, buffer in incoming]
+            for work in works:
+                work.wait()
+
+        self.guard(run)
+
+    def serve(self, handlers: dict[int, Callable[[list[int]], None]]) -> None:
+        """A served rank's loop: each control vector's operation runs its handler (with the values after the op)
+        until the driver sends STOP."""
+        vector = torch.zeros(self.size, dtype=torch.long, device=self.wire)
+        while True:
+            dist.broadcast(vector, src=0)
+            op, *values = vector.tolist()
+            if op == STOP:
+                return
+            if op not in handlers:
+                raise HarnessError(f"the driver sent operation {op}, which this rank does not serve")
+            handlers[op](values)
+
+
 # --- the driver's side ----------------------------------------------------------------------------------------------
 @dataclass
 class StageGroup:
@@ -179,6 +236,10 @@ class StageGroup:
             rank, code = next(iter(exits.items()))
             return f"rank {rank} ({self.devices[rank - 1]}) exited (exit code {code})"
         return None
+
+    def channel(self, role: str, device: torch.device, size: int) -> Channel:
+        """The driver's end of the wire to the `role` ranks, its tensors received onto `device`."""
+        return Channel(self.wire, device, size, lambda action: self.guarded(action, role))
 
     def guarded(self, action: Callable, role: str):
         """Run one exchange with the ranks; a rank that died or let the run deadline pass ends the run in one line."""

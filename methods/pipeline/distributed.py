@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from harness.runtime.distributed import STOP, Channel
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.pipeline.executor import StageExecutor
 from methods.pipeline.tree import Level, Token, is_chain
 
-RESET, PREFILL, ADVANCE, TRUNCATE, MOVE, STATS, STOP = range(7)
+RESET, PREFILL, ADVANCE, TRUNCATE, MOVE, STATS = range(1, 7)  # after STOP (0), the runtime's
 HEADER = 4  # control vector: [op, a, b, c] then per-stage token counts and positions (ADVANCE)
 
 
@@ -45,6 +45,10 @@ class StagePlan:
     @property
     def n(self) -> int:
         return len(self.bounds)
+
+    @property
+    def control_size(self) -> int:
+        return HEADER + 2 * self.n
 
     def server(self, rank: int, device: str, wire: torch.device) -> StageServer:
         """What a served rank runs under this plan (harness/runtime/distributed.py): stage rank - 1."""
@@ -69,33 +73,10 @@ class DistributedExecutor(StageExecutor):
         self.plan = StagePlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
                               bounds, capture, target.max_len, target.rewind_window)
         group.start(self.plan)  # only now are the ranks waited for: a group of the wrong size never is
+        self.channel = group.channel("stage", self.device, self.plan.control_size)
         self.stage_seconds = [0.0] * self.n
 
     # --- wire -------------------------------------------------------------------------------------------------
-    def _guarded(self, action):
-        return self.group.guarded(action, "stage")
-
-    def _control(self, op: int, *args: int, counts=(), positions=()) -> None:
-        vector = torch.zeros(HEADER + 2 * self.n, dtype=torch.long)
-        vector[0] = op
-        vector[1: 1 + len(args)] = torch.tensor(args, dtype=torch.long)
-        if counts:
-            vector[HEADER: HEADER + self.n] = torch.tensor(counts)
-            vector[HEADER + self.n:] = torch.tensor(positions)
-        self._guarded(lambda: dist.broadcast(vector.to(self.group.wire), src=0))
-
-    def _exchange(self, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]]) -> None:
-        """Post every send and receive at once, then wait: the stages of one step compute concurrently."""
-        wire = self.group.wire
-
-        def run():
-            works = [dist.isend(t.to(wire).contiguous(), dst=rank) for rank, t in outgoing]
-            works += [dist.irecv(buffer, src=rank) for rank, buffer in incoming]
-            for work in works:
-                work.wait()
-
-        self._guarded(run)
-
     def _buffer(self, stage: int, tokens: int) -> torch.Tensor:
         rows = 1 + len(self.plan.wanted(stage))
         return torch.empty(rows, tokens, self.target.config.hidden_size, dtype=self.target.dtype,
@@ -107,15 +88,15 @@ class DistributedExecutor(StageExecutor):
 
     # --- StageExecutor ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._control(RESET)
+        self.channel.control(RESET)
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         h = self.target.embed(torch.tensor(prompt_ids, device=self.device))
         captured = {0: h} if 0 in self.capture else {}
         for stage in range(self.n):
-            self._control(PREFILL, stage, len(prompt_ids))
+            self.channel.control(PREFILL, stage, len(prompt_ids))
             packed = self._buffer(stage, len(prompt_ids))
-            self._exchange([(stage + 1, h)], [(stage + 1, packed)])
+            self.channel.exchange([(stage + 1, h)], [(stage + 1, packed)])
             h, layers = self._unpack(stage, packed)
             captured.update(layers)
         return self.target.logits(h)[-1], captured
@@ -133,8 +114,8 @@ class DistributedExecutor(StageExecutor):
             if not chain:
                 outgoing += [(rank, call.slots), (rank, call.mask.to(torch.uint8)), (rank, call.parents)]
             incoming.append((rank, self._buffer(stage, len(level))))
-        self._control(ADVANCE, int(chain), kv_end, counts=counts, positions=positions)
-        self._exchange(outgoing, incoming)
+        self.channel.control(ADVANCE, int(chain), kv_end, tail=counts + positions)
+        self.channel.exchange(outgoing, incoming)
         for level, (_, packed) in zip(levels, incoming):
             self.absorb(level, *self._unpack(level[0].depth, packed))
 
@@ -142,23 +123,23 @@ class DistributedExecutor(StageExecutor):
         return self.target.logits(finished.hidden)[0]
 
     def truncate(self, position: int) -> None:
-        self._control(TRUNCATE, position)
+        self.channel.control(TRUNCATE, position)
 
     def commit(self, chosen: Token) -> None:
         if chosen.slot != chosen.position:
-            self._control(MOVE, chosen.slot, chosen.position)
+            self.channel.control(MOVE, chosen.slot, chosen.position)
             chosen.slot = chosen.position
 
     def report(self) -> dict:
         """Executor, world size, devices and each stage's forward seconds in this generation's pipeline steps."""
-        self._control(STATS)
+        self.channel.control(STATS)
         seconds = [torch.zeros(1, dtype=torch.float64, device=self.group.wire) for _ in range(self.n)]
-        self._exchange([], [(stage + 1, t) for stage, t in enumerate(seconds)])
+        self.channel.exchange([], [(stage + 1, t) for stage, t in enumerate(seconds)])
         return {"kind": "distributed", "backend": self.group.backend, "world_size": self.group.world_size,
                 "devices": self.group.devices, "stage_forward_s": [round(float(t), 6) for t in seconds]}
 
     def close(self) -> None:
-        self._control(STOP)
+        self.channel.control(STOP)
 
 
 # --- stage ranks ------------------------------------------------------------------------------------------------
@@ -185,44 +166,46 @@ def load_stage(plan: StagePlan, stage: int, device: str) -> TargetRuntime:
 
 
 class StageServer:
-    """One stage rank's loop: wait for the driver's control vector, apply it, answer when asked."""
+    """One stage rank: the driver's operations on this stage's layers and caches, answered when asked."""
 
     def __init__(self, plan: StagePlan, rank: int, device: str, wire: torch.device):
-        self.rank, self.stage, self.wire = rank, rank - 1, wire
+        self.rank, self.stage = rank, rank - 1
         self.plan = plan
         self.runtime = load_stage(self.plan, self.stage, device)
+        self.channel = Channel(wire, self.runtime.device, plan.control_size)
         self.lo, self.hi = self.plan.bounds[self.stage]
         self.wanted = self.plan.wanted(self.stage)
         self.seconds = 0.0
 
     def serve(self) -> None:
-        vector = torch.zeros(HEADER + 2 * self.plan.n, dtype=torch.long, device=self.wire)
-        while True:
-            dist.broadcast(vector, src=0)
-            op, a, b = (int(v) for v in vector[:3])
-            if op == STOP:
-                return
-            if op == RESET:
-                self.runtime.reset()
-                self.seconds = 0.0
-            elif op == TRUNCATE:
-                self.runtime.truncate(a)
-            elif op == MOVE:
-                self.runtime.cache.move(torch.tensor([a], device=self.runtime.device), b)
-            elif op == STATS:
-                dist.send(torch.tensor([self.seconds], dtype=torch.float64, device=self.wire), dst=0)
-            elif op == PREFILL and a == self.stage:
-                self._forward(b, torch.arange(b), chain=True, kv_end=b, step=False)
-            elif op == ADVANCE:
-                count = int(vector[HEADER + self.stage])
-                if count:
-                    position = int(vector[HEADER + self.plan.n + self.stage])
-                    self._forward(count, torch.full((count,), position), chain=bool(a), kv_end=b)
+        self.channel.serve({RESET: self._reset, TRUNCATE: lambda v: self.runtime.truncate(v[0]), MOVE: self._move,
+                            STATS: self._stats, PREFILL: self._prefill, ADVANCE: self._advance})
+
+    def _reset(self, values: list[int]) -> None:
+        self.runtime.reset()
+        self.seconds = 0.0
+
+    def _move(self, values: list[int]) -> None:
+        self.runtime.cache.move(torch.tensor([values[0]], device=self.runtime.device), values[1])
+
+    def _stats(self, values: list[int]) -> None:
+        self.channel.send(torch.tensor([self.seconds], dtype=torch.float64), 0)
+
+    def _prefill(self, values: list[int]) -> None:
+        stage, length = values[:2]
+        if stage == self.stage:  # the prompt passes the stages one after another
+            self._forward(length, torch.arange(length), chain=True, kv_end=length, step=False)
+
+    def _advance(self, values: list[int]) -> None:
+        chain, kv_end = values[:2]
+        tail = values[HEADER - 1:]  # per-stage token counts, then positions
+        count = tail[self.stage]
+        if count:
+            position = tail[self.plan.n + self.stage]
+            self._forward(count, torch.full((count,), position), chain=bool(chain), kv_end=kv_end)
 
     def _receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
-        dist.recv(buffer, src=0)
-        return buffer.to(self.runtime.device)
+        return self.channel.recv(shape, dtype, 0)
 
     def _forward(self, count: int, positions: torch.Tensor, chain: bool, kv_end: int, step: bool = True) -> None:
         """Run this stage's layers on what the driver sends and return output and features; pipeline steps (not the
@@ -241,4 +224,4 @@ class StageServer:
             torch.cuda.synchronize(runtime.device)
         self.seconds += (time.perf_counter() - start) if step else 0.0
         packed = torch.cat([out, *(captured[layer] for layer in self.wanted)], dim=0)
-        dist.send(packed.to(self.wire).contiguous(), dst=0)
+        self.channel.send(packed, 0)

@@ -7,8 +7,9 @@ verifies them, then receives the outcome (accepted count, bonus token, the commi
 updates its state and answers with the next round's drafts: from the cache on a hit, from the fallback on a miss.
 Drafting the cache overlaps verification for real; what the driver waits for between rounds is the update plus the
 lookup, or the fallback. At the end of a generation the drafter reports its seconds per round, from which the
-driver models the overlap as the one-process run does. Every message is point to point between rank 0 and rank 1
-and every wait is bounded by the run deadline (harness/runtime/distributed.py).
+driver models the overlap as the one-process run does. A generation starts with a control vector and everything
+else is point to point between rank 0 and rank 1, through the wire every served family shares (Channel in
+harness/runtime/distributed.py), which bounds every wait by the run deadline.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from harness.runtime.distributed import STOP, Channel
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.base import Timer
@@ -25,8 +26,8 @@ from methods.rounds import Node
 from methods.sampling import Sampler, SamplingConfig
 from methods.ssd.drafters import build_drafter
 
-START, OUTCOME, STOP = range(3)
-HEADER = 6  # control vector: [op, a, b, c, d, e]
+START = 1  # the one operation after STOP (0, the runtime's): a generation; its rounds follow point to point
+HEADER = 4  # control vector: [START, prompt length, first token, seed]
 STATS = ("cache_hits", "fallback_drafts", "speculated", "speculate", "fallback", "head_update")
 ROUND_SECONDS = ("fallback", "speculate", "head_update")  # the drafter's per round, for the modeled time
 
@@ -56,7 +57,7 @@ class RemoteDrafter:
         if group.world_size != 2:
             raise HarnessError(f"the process group has {group.world_size} ranks; ssd needs 2 (driver and drafter)")
         target = method.target
-        self.wire, self.target, self.layers, self.k = group.wire, target, tuple(method.drafter.layers), method.params.k
+        self.target, self.layers, self.k = target, tuple(method.drafter.layers), method.params.k
         self.report = {"kind": "distributed", "backend": group.backend, "world_size": group.world_size,
                        "devices": group.devices}  # the record's executor (the report labels such runs)
         speculation = method.speculation
@@ -64,22 +65,13 @@ class RemoteDrafter:
                            method.params, method.checkpoint, target.max_len, type(speculation), speculation.plan_state())
         self.group = group
         group.start(plan)
-
-    def _guarded(self, action):
-        return self.group.guarded(action, "drafter")
+        self.channel = group.channel("drafter", target.device, HEADER)
 
     def _send(self, tensor: torch.Tensor) -> None:
-        self._guarded(lambda: dist.send(tensor.to(self.wire).contiguous(), dst=1))
+        self.channel.send(tensor, 1)
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
-        self._guarded(lambda: dist.recv(buffer, src=1))
-        return buffer.to(self.target.device)
-
-    def _header(self, *values: int) -> None:
-        vector = torch.zeros(HEADER, dtype=torch.long)
-        vector[: len(values)] = torch.tensor(values, dtype=torch.long)
-        self._send(vector)
+        return self.channel.recv(shape, dtype, 1)
 
     def _features(self, captured: dict[int, torch.Tensor]) -> None:
         if self.layers:  # a draft model reads none
@@ -90,7 +82,7 @@ class RemoteDrafter:
         sampler is seeded from the driver's, so a seeded run repeats."""
         seed = 0 if sampler.greedy else int(torch.randint(2**62, (1,), generator=sampler.generator))
         config = sampler.config
-        self._header(START, len(prompt_ids), first, seed)
+        self.channel.control(START, len(prompt_ids), first, seed)
         self._send(torch.tensor([config.temperature, config.top_k, config.top_p], dtype=torch.float64))
         self._send(torch.tensor(prompt_ids, dtype=torch.long))
         self._features(captured)
@@ -103,7 +95,7 @@ class RemoteDrafter:
         return [Node(int(head[2 + i]), i - 1, i + 1, q=None if q is None else q[i]) for i in range(count)]
 
     def outcome(self, accepted: int, bonus: int, new: list[int], features: dict, done: bool) -> None:
-        self._header(OUTCOME, accepted, bonus, len(new), int(done))
+        self._send(torch.tensor([accepted, bonus, len(new), int(done)], dtype=torch.long))
         self._send(torch.tensor(new, dtype=torch.long))
         self._features(features)
 
@@ -116,7 +108,7 @@ class RemoteDrafter:
         return hits, dict(zip(STATS, stats)), [dict(zip(ROUND_SECONDS, row)) for row in per_round]
 
     def close(self) -> None:
-        self._header(STOP)
+        self.channel.control(STOP)
 
 
 class DrafterServer:
@@ -137,17 +129,16 @@ class DrafterServer:
         target = TargetRuntime(loaded.model, max_len=plan.max_len, identity=loaded.identity)
         drafter = build_drafter(target, plan.params, plan.checkpoint)
         self.speculation = plan.speculation(drafter, plan.params, **plan.state)
-        self.plan, self.wire, self.device = plan, wire, target.device
+        self.plan, self.device = plan, target.device
+        self.channel = Channel(wire, target.device, HEADER)
         self.layers = tuple(drafter.layers)
         self.hidden, self.dtype = target.config.hidden_size, target.dtype
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=self.wire)
-        dist.recv(buffer, src=0)
-        return buffer.to(self.device)
+        return self.channel.recv(shape, dtype, 0)
 
     def _send(self, tensor: torch.Tensor) -> None:
-        dist.send(tensor.to(self.wire).contiguous(), dst=0)
+        self.channel.send(tensor, 0)
 
     def _features(self, count: int) -> dict[int, torch.Tensor]:
         if not self.layers:
@@ -157,13 +148,7 @@ class DrafterServer:
 
     @torch.inference_mode()
     def serve(self) -> None:
-        while True:
-            header = self._recv((HEADER,), torch.long).tolist()
-            if header[0] == STOP:
-                return
-            if header[0] != START:
-                raise HarnessError(f"drafter rank: expected a generation to start, got operation {header[0]}")
-            self._generation(*header[1:4])
+        self.channel.serve({START: lambda values: self._generation(*values[:3])})
 
     def _generation(self, prompt_len: int, first: int, seed: int) -> None:
         temperature, top_k, top_p = self._recv((3,), torch.float64).tolist()
@@ -182,7 +167,7 @@ class DrafterServer:
             with timer("speculate"):  # while the driver verifies this round
                 cache = speculation.speculate(head, base, drafts, sampler)
             counts["speculated"] += len(cache)
-            _, accepted, bonus, count, done, _ = self._recv((HEADER,), torch.long).tolist()
+            accepted, bonus, count, done = self._recv((4,), torch.long).tolist()
             new, features = self._recv((count,), torch.long).tolist(), self._features(count)
             if not done:
                 with timer("head_update"):
