@@ -24,17 +24,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import methods  # noqa: F401  (fills the registry)
 from harness.runtime.errors import HarnessError
 from harness.runtime.paths import check_out_path
+from methods.base import REGISTRY
 
 SPEC_BENCH = "spec-bench"
 
 
 def formats() -> dict[str, list[str]]:
     """Every export format and the methods whose records it writes (Spec-Bench's: every method's)."""
-    import methods  # noqa: F401  (fills the registry)
-    from methods.base import REGISTRY
-
     found = {SPEC_BENCH: sorted(REGISTRY)}
     for name, cls in REGISTRY.items():
         for fmt in cls.exports:
@@ -44,8 +43,6 @@ def formats() -> dict[str, list[str]]:
 
 def formats_help() -> str:
     """What each format is, for --help."""
-    from methods.base import REGISTRY
-
     about = {fmt: spec.about for cls in REGISTRY.values() for fmt, spec in cls.exports.items()}
     return "; ".join(f"{fmt}: {about.get(fmt, 'Spec-Bench answer files')} ({', '.join(names)})"
                      for fmt, names in formats().items())
@@ -126,16 +123,10 @@ def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
     questions = _questions(rows)
     files = {}
     for name, group in sorted(groups.items()):
-        family = _family(group[0]["method"]).exports[fmt]
+        family = REGISTRY[group[0]["method"]].exports[fmt]
         files[f"{name}{family.suffix}.jsonl"] = [
             family.sample(r, i, questions.get((r["dataset"], str(r["question_id"])))) for i, r in enumerate(group)]
     return _write_all(out, files), skipped
-
-
-def _family(method: str):
-    from methods.base import REGISTRY
-
-    return REGISTRY[method]
 
 
 def _write_all(out: Path, files: dict[str, list[dict]]) -> list[Path]:

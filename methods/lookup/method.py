@@ -10,6 +10,7 @@ deterministic candidates keeps the output a sample of the target's distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -61,8 +62,7 @@ class PromptLookup(Method):
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         timer = Timer(self.target.device)
         first, _ = target_prefill(self.target, (), prompt_ids, sampler, timer)
-        verify = lambda nodes, last, base, sampler: verify_round(self.target, (), nodes, last, base, sampler)  # noqa: E731
-        return self._rounds(prompt_ids, first, max_new_tokens, sampler, timer, verify)
+        return self._rounds(prompt_ids, first, max_new_tokens, sampler, timer, partial(verify_round, self.target, ()))
 
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler

@@ -37,16 +37,16 @@ class Speculation:
         """The drafts of a round nothing was cached for: k drafted now (jit, with Saguaro's q), or none."""
         if self.params.fallback == "none":
             return []
-        with timer("fallback"):
-            nodes: list[Node] = []
-            self._extend(head, nodes, [-1], base, sampler, self.params.saguaro_x)
-        return nodes
+        return self._chain(head, base, sampler, timer, self.params.saguaro_x)
 
     def draft(self, head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
         """A synchronous round's k drafts, from the drafter's own distribution (timed as the fallback's drafting)."""
+        return self._chain(head, base, sampler, timer, 1.0)
+
+    def _chain(self, head, base: int, sampler: Sampler, timer: Timer, saguaro_x: float) -> list[Node]:
         with timer("fallback"):
             nodes: list[Node] = []
-            self._extend(head, nodes, [-1], base, sampler, 1.0)
+            self._extend(head, nodes, [-1], base, sampler, saguaro_x)
         return nodes
 
     def speculate(self, head, base: int, drafts: list[Node], sampler: Sampler) -> dict[tuple, list[Node]]:
