@@ -11,13 +11,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.sampling import Sampler
+from methods.stats import Stats
 
 
 @dataclass
@@ -27,7 +28,22 @@ class Generation:
     accepted: list[int]  # tokens committed by each step
     position_accepts: list[int] = field(default_factory=list)  # accepted drafts per draft position
     timing: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, components
-    stats: dict = field(default_factory=dict)  # method-specific counters
+    stats: Stats = field(default_factory=Stats)  # the family's counters and shape (its Method.Stats)
+
+
+class ParityCheck(Protocol):
+    """A family's parity figures over one trajectory, pooled with `add` over prompts."""
+
+    lossless: bool  # the method's output equalled the trajectory
+
+    @property
+    def disagree(self) -> int: ...  # states where decoding and training disagree beyond near-ties
+
+    def add(self, other) -> None: ...
+
+    def record(self) -> dict: ...  # the record's figures
+
+    def table(self) -> str: ...  # what the command prints
 
 
 class Timer:
@@ -58,18 +74,56 @@ class ExportFormat:
 
 
 @dataclass(frozen=True)
+class ImportFormat:
+    """A drafter published in another tool's format: `spd-bench import --NAME PATH` (and `run --checkpoint PATH`,
+    through `Method.import_checkpoint`) converts it into the drafter cache."""
+
+    about: str  # for --help
+    convert: Callable[[Path, TargetRuntime, object, bool], Path]  # (path, target, params, force) -> cached folder
+    params: tuple[str, ...] = ()  # the method's parameters that say where it is filed (options of `import`)
+
+
+@dataclass(frozen=True)
+class HeadExport:
+    """A trained drafter written in another tool's format (`spd-bench export-head`)."""
+
+    about: str  # for --help
+    check: Callable[[Path, bool], None]  # (out, replace): the destination is usable, before anything loads
+    write: Callable[[str, object, str | None, Path, bool], Path]  # (model, params, checkpoint, out, replace) -> out
+    params: tuple[str, ...] = ()  # the method's parameters that pick the drafter (options of `export-head`)
+
+
+@dataclass(frozen=True)
+class PositionAxis:
+    """What a family's accepts per position count (Generation.position_accepts): a round's draft positions, or a
+    pipeline's fill levels; the report gives each axis a table and a figure panel."""
+
+    label: str  # a column's prefix: "pos 0"
+    title: str  # the table's title
+    name: str  # the figure's axis
+
+
+@dataclass(frozen=True)
 class NoParams:
     """Parameters of a method that has none."""
 
 
 class Method(ABC):
-    """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass) and implement `generate`; a family
-    with its own speedup model overrides `theoretical_speedup` and `modeled_speedup` (they read a pooled summary:
-    harness/reporting/metrics.py's `Summary`, with tokens/step, the shape its generations recorded, counts and timings)."""
+    """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass), `Stats` (what its generations record,
+    methods/stats.py) and implement `generate`; a family with its own speedup model overrides the figure hooks below
+    (they read a pooled summary: harness/reporting/metrics.py's `Summary`, with tokens/step, the family's pooled
+    `stats` and the summed timings)."""
 
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
+    Stats: ClassVar[type[Stats]] = Stats
+    positions: ClassVar[PositionAxis | None] = None  # what position_accepts counts (None: the method drafts nothing)
     trainable: ClassVar[bool] = False  # whether `spd-bench train` builds drafters for it (`training_specs`)
+    training_params: ClassVar[tuple[str, ...]] = ()  # Params fields `spd-bench train` takes as comma lists
+    training_options: ClassVar[dict[str, tuple[type, str]]] = {}  # training-only options: name -> (type, help)
+    imports: ClassVar[dict[str, ImportFormat]] = {}  # foreign drafter formats `spd-bench import` converts
+    head_export: ClassVar[HeadExport | None] = None  # `spd-bench export-head`: the trained drafter, foreign format
+    serves: ClassVar[str] = ""  # what `--executor distributed` gives ranks of their own (see `served`)
 
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:
@@ -83,6 +137,25 @@ class Method(ABC):
 
     @classmethod
     def modeled_speedup(cls, summary) -> float | None:
+        return None
+
+    @classmethod
+    def l_acc(cls, summary) -> float | None:
+        """Accepted layers per cycle relative to the slowest device's (pipeline families); None where undefined."""
+        return None
+
+    @classmethod
+    def reference_speedup(cls, summary) -> float | None:
+        """The theoretical speedup as the family's reference code defines it, where that differs from ours."""
+        return None
+
+    breakdown_note: ClassVar[str] = ""  # what the phases of `cycle_breakdown` are (the note under the report's table)
+
+    @classmethod
+    def cycle_breakdown(cls, summary) -> dict[str, float | None] | None:
+        """Executed runs: ms per step of each serial phase on the driver, in order (they add up to the next key,
+        "cycle"), then any further figure (None where not measured), for the report's breakdown table and figure;
+        None: the family times none."""
         return None
 
     exports: ClassVar[dict[str, ExportFormat]] = {}  # formats of the family's own (Spec-Bench's is every method's)
@@ -130,6 +203,29 @@ class Method(ABC):
     @abstractmethod
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
+
+    @classmethod
+    def selfcheck_cases(cls, target: TargetRuntime) -> list[tuple[str, Method]]:
+        """`spd-bench selfcheck`: (label, method) instances on `target` with random drafters (no checkpoints)."""
+        return []
+
+    @classmethod
+    def selfcheck_distributed(cls, target: TargetRuntime, scratch: Path) -> tuple[str, Method, int] | None:
+        """`spd-bench selfcheck`: one instance for `--executor distributed` (label, method, served ranks), with what
+        its ranks load saved under `scratch`; None: the family serves no ranks."""
+        return None
+
+    def with_oracle(self, reference: dict[int, int], hit_rate: float) -> Method:
+        """The method with a drafter that proposes `reference`'s token at a position with probability `hit_rate`, so
+        self-checks on random drafters reach the accept paths; a method without a drafter is itself."""
+        return self
+
+    checks_parity: ClassVar[bool] = False  # whether `parity` below is the family's (`spd-bench parity`)
+
+    def parity(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int) -> ParityCheck:
+        """Train/decode parity of the drafter on `trajectory` (the greedy AR output): whether decoding hands it the
+        states training taught it on (families whose drafter trains on a layout of its own)."""
+        raise HarnessError(f"{self.name} has no parity check")
 
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
                  ) -> Generation:
@@ -179,11 +275,14 @@ def parse_params(cls: type[Method], raw: dict):
     return cls.Params(**values)
 
 
-def param(default, help: str, recorded_when_set: bool = False):
+def param(default, help: str, recorded_when_set: bool = False, choices: tuple = (), flags: tuple[str, ...] = ()):
     """A method parameter: its default and the help line `run --help` shows for its `--name` option. A parameter
     added after records were committed is `recorded_when_set`: recorded only when it differs from its default, so
-    the configuration keys of earlier records (their resumption, the regression baseline) still hold."""
-    return field(default=default, metadata={"help": help, "recorded_when_set": recorded_when_set})
+    the configuration keys of earlier records (their resumption, the regression baseline) still hold. `choices`:
+    the only values it takes (a sweep skips the others for this method instead of failing); `flags`: further option
+    names (ones command lines used before options were generated)."""
+    return field(default=default, metadata={"help": help, "recorded_when_set": recorded_when_set,
+                                            "choices": choices, "flags": flags})
 
 
 def recorded_params(params) -> dict:
@@ -197,6 +296,13 @@ def build_method(name: str, target: TargetRuntime, raw_params: dict, stop_ids: s
         raise KeyError(name)
     cls = REGISTRY[name]
     return cls(target, parse_params(cls, raw_params), stop_ids, checkpoint)
+
+
+def offers(cls: type[Method], params: dict) -> bool:
+    """False where a value is not among its parameter's `choices` (a grid or a training list skips it for this
+    method: PPSD drafts after each step only); bad values of any other kind fail in parse_params."""
+    choices = {f.name: f.metadata.get("choices") for f in fields(cls.Params)}
+    return not any(choices.get(name) and value not in choices[name] for name, value in params.items())
 
 
 def check_fit(name: str, params: dict, num_layers: int) -> None:

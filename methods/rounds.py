@@ -14,10 +14,25 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.runtime.target import TargetRuntime
-from methods.base import Generation, Timer, commit
+from methods.base import Generation, PositionAxis, Timer, commit
 from methods.sampling import Sampler
+from methods.stats import Record, Stats
 from methods.teacher import Teacher
 from methods.verify import chain_rejection, verify_tree
+
+DRAFT_POSITIONS = PositionAxis("pos", "Acceptance by draft position (share of rounds that accepted position k)",
+                               "draft position")
+
+
+@dataclass
+class DraftShape(Record):
+    """What a draft-then-verify speedup formula needs: target layers, a drafted token's cost in target layers (Ls),
+    drafts per round (m) and the draft width."""
+
+    num_layers: int
+    ls: int
+    m: int
+    width: int = 1
 
 
 @dataclass(eq=False)
@@ -86,7 +101,7 @@ class Rounds:
         """Commit the accepted path of a round's nodes and its bonus token."""
         return self.commit([nodes[i].token for i in path] + [bonus], len(path))
 
-    def generation(self, timing: dict[str, float], stats: dict) -> Generation:
+    def generation(self, timing: dict[str, float], stats: Stats) -> Generation:
         return Generation(output_ids=self.output, steps=len(self.accepted), accepted=self.accepted,
                           position_accepts=self.position_accepts, timing=timing, stats=stats)
 
@@ -165,5 +180,5 @@ def rounds_on_trajectory(rounds, target, prompt_ids: list[int], trajectory: list
     start = teacher.prompt_len
     prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
     generation = rounds(teacher.token(start), prefix, Timer(target.device), trajectory_verifier(teacher))
-    generation.stats["expected_accepts"] = float(sum(generation.position_accepts))
+    generation.stats.expected_accepts = float(sum(generation.position_accepts))
     return generation

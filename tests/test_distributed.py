@@ -75,9 +75,9 @@ def test_distributed_pipeline_equals_ar_and_the_local_executor(tmp_path, arch, n
                 sampled = [m.generate(prompt, 20, Sampler(SamplingConfig(temperature=1.0),
                                                           torch.Generator().manual_seed(5))) for m in (remote, local)]
                 assert sampled[0].output_ids == sampled[1].output_ids
-            report = ours.stats["executor"]
-            assert report["kind"] == "distributed" and report["world_size"] == n + 1
-            assert len(report["stage_forward_s"]) == n and all(s > 0 for s in report["stage_forward_s"])
+            report = ours.stats.executor
+            assert report.kind == "distributed" and report.world_size == n + 1
+            assert len(report.stage_forward_s) == n and all(s > 0 for s in report.stage_forward_s)
         executor.close()
     assert not multiprocessing.active_children()
 
@@ -155,9 +155,9 @@ def test_a_served_rank_builds_only_plans_of_this_harness_from_the_store():
     import io
     import pickle
 
-    from harness.bench.selfcheck import OracleSpeculation
     from methods.ssd.distributed import DrafterPlan
     from methods.ssd.method import SSDParams
+    from methods.ssd.speculate import OracleSpeculation
 
     rng = torch.Generator().manual_seed(3)
     plan = DrafterPlan("m", "float32", "0" * 64, SSDParams(k=2), None, 64, OracleSpeculation,

@@ -38,7 +38,7 @@ def test_pipeline_speedup_formulas(schedule, cycle_layers):
     cycle = (max(stage, drafter) if schedule == "input" else stage + drafter) + head
     assert s.modeled_speedup == pytest.approx(alpha * (30 * per_layer + head) / cycle)
     assert s.wall_clock_speedup == pytest.approx(2.0)  # same tokens in half the decode time
-    assert s.fill_acceptance == [0.5, 0.5]
+    assert s.position_acceptance == [0.5, 0.5]
 
 
 def test_eagle3_tau_speedup_and_per_position_acceptance():
@@ -49,5 +49,5 @@ def test_eagle3_tau_speedup_and_per_position_acceptance():
     tau = 4.0  # 40 tokens after the prefill one in 10 target forwards
     assert s.tokens_per_step == pytest.approx(tau)
     assert s.theoretical_speedup == pytest.approx(tau * 30 / (1 * 3 + 30))
-    assert s.fill_acceptance == [0.8, 0.5, 0.2]
+    assert s.position_acceptance == [0.8, 0.5, 0.2]
     assert s.l_acc is None and s.modeled_speedup is None

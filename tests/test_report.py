@@ -71,8 +71,8 @@ def test_cycle_wall_breakdown_separates_distributed_runs_and_models_them_from_th
     # modeled: the local run's stage time is its "stages" (0.5 s), the distributed one's the ranks' (0.16 s):
     # per layer 0.5 / (64 * 30 / 8) or 0.16 / 240; cycle max(4 layers, drafter 0.025) + head 0.1 / 7;
     # speedup 1.25 * (30 layers + head) / cycle
-    modeled = {s.executor: round(s.modeled_speedup, 3) for s in overall}
-    assert modeled == {"local": 2.443, "distributed": 1.091}
+    modeled = {s.distributed: round(s.modeled_speedup, 3) for s in overall}
+    assert modeled == {False: 2.443, True: 1.091}
 
 
 def test_scaling_tables_paper_references_latex_and_the_commands_for_empty_cells():

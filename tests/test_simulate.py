@@ -101,13 +101,14 @@ def _assert_same(method, sampling: SamplingConfig = GREEDY, seed: int = 0) -> No
         assert simulated.accepted == executed.accepted
         assert simulated.position_accepts == executed.position_accepts
         if sampling.greedy or method.params.width > 1:  # certain outcomes, or trees' realised acceptance
-            assert simulated.stats["expected_accepts"] == pytest.approx(sum(executed.position_accepts))
+            assert simulated.stats.expected_accepts == pytest.approx(sum(executed.position_accepts))
         for key in ("fill_drafts", "stage_runs", "drafter_calls", "verifications", "candidates"):
-            if key in simulated.stats:  # tree replays leave out what they skip: stage runs, candidates
-                assert simulated.stats[key] == executed.stats[key], key
+            # tree replays leave out what they skip: stage runs, candidates
+            if getattr(simulated.stats, key, None) is not None:
+                assert getattr(simulated.stats, key) == getattr(executed.stats, key), key
         accepted += sum(executed.position_accepts)
-        if "fill_drafts" in executed.stats:  # pipeline: verified drafts that were rejected
-            rejected += sum(executed.stats["fill_drafts"]) - sum(executed.position_accepts)
+        if getattr(executed.stats, "fill_drafts", None):  # pipeline: verified drafts that were rejected
+            rejected += sum(executed.stats.fill_drafts) - sum(executed.position_accepts)
         else:  # draft-then-verify: rounds that stopped before the last draft
             rejected += sum(1 for count in executed.accepted if count <= method.params.m)
     assert accepted > 0 and rejected > 0, "the fitted drafter must mix accepts and rejects"
@@ -153,7 +154,7 @@ def test_sampled_tree_simulation_replays_the_executed_run(build):
 
 
 def _acceptance(generation) -> tuple[int, int]:
-    drafts = sum(generation.stats["fill_drafts"]) if "fill_drafts" in generation.stats else len(generation.accepted)
+    drafts = sum(generation.stats.fill_drafts) if getattr(generation.stats, "fill_drafts", None) else len(generation.accepted)
     return sum(generation.position_accepts), drafts
 
 
@@ -172,7 +173,7 @@ def test_sampled_simulation_tracks_executed_acceptance(build):
                                      Sampler(SamplingConfig(1.0), torch.Generator().manual_seed(seed)))
             executed = [a + b for a, b in zip(executed, _acceptance(run))]
             simulated = [a + b for a, b in zip(simulated, _acceptance(replay))]
-            expected += replay.stats["expected_accepts"]
+            expected += replay.stats.expected_accepts
     rate_executed, rate_simulated = executed[0] / executed[1], simulated[0] / simulated[1]
     assert rate_executed > 0.05
     assert abs(rate_executed - rate_simulated) < 0.1

@@ -4,12 +4,12 @@ import pytest
 import torch
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
-from harness.runtime.target import TargetRuntime
+from harness.runtime.target import TargetRuntime, stage_bounds
 from methods.base import build_method, recorded_params
 from methods.pipeline.drafter import Drafter
 from methods.pipeline.ppsd import PPSD
 from methods.pipeline.spd import SPD
-from methods.pipeline.speculator import Speculator, SpeculatorConfig, stage_bounds
+from methods.pipeline.speculator import Speculator, SpeculatorConfig
 from methods.sampling import Sampler, SamplingConfig
 
 GREEDY = SamplingConfig()
@@ -208,7 +208,7 @@ def test_the_scheduler_reaches_the_target_only_through_its_stage_executor(width)
     assert generation.output_ids == reference
     assert calls[:2] == ["start", "prefill"] and calls.count("prefill") == 1
     assert calls.count("advance") == generation.steps
-    verified = sum(generation.stats["fill_drafts"])
+    verified = sum(generation.stats.fill_drafts)
     accepted = sum(generation.position_accepts)
     assert calls.count("verification_logits") == verified
     assert calls.count("commit") == accepted and calls.count("truncate") == verified - accepted > 0

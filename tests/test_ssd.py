@@ -7,7 +7,6 @@ import torch
 from test_cli import tiny_dir  # noqa: F401  (fixture)
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
-from harness.bench.selfcheck import ssd_oracle
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.base import Timer, build_method, parse_params
@@ -36,17 +35,17 @@ def test_greedy_output_is_token_identical_to_ar_through_hits_misses_and_fallback
     hits = misses = 0
     for prompt in ([7], [3, 4], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
+        oracle = method.with_oracle({len(prompt) + i: t for i, t in enumerate(reference)}, hit_rate)
         generation = oracle.generate(prompt, 24, Sampler(GREEDY))
         assert generation.output_ids == reference
-        assert sum(generation.accepted) == len(reference) - 1 and generation.steps == len(generation.stats["hits"])
+        assert sum(generation.accepted) == len(reference) - 1 and generation.steps == len(generation.stats.hits)
         stats = generation.stats
-        assert stats["cache_hits"] == sum(stats["hits"]) and stats["hits"][0] == 0  # nothing cached before round 1
-        hits += stats["cache_hits"]
-        misses += generation.steps - stats["cache_hits"]
-        assert stats["fallback_drafts"] == (0 if fallback == "none" else generation.steps - stats["cache_hits"])
+        assert stats.cache_hits == sum(stats.hits) and stats.hits[0] == 0  # nothing cached before round 1
+        hits += stats.cache_hits
+        misses += generation.steps - stats.cache_hits
+        assert stats.fallback_drafts == (0 if fallback == "none" else generation.steps - stats.cache_hits)
         if hit_rate == 1.0:  # every draft and every guess right: all k accepted, and every later round a hit
-            assert stats["cache_hits"] == generation.steps - 1
+            assert stats.cache_hits == generation.steps - 1
             assert generation.accepted[0] == (1 if fallback == "none" else 4)  # "none" verifies no drafts first
             assert all(count == 4 for count in generation.accepted[1:-1])
     if hit_rate == 0.7:
@@ -57,10 +56,10 @@ def test_a_cache_hit_skips_drafting_and_counts_in_the_modeled_time():
     model = tiny_model("llama")
     target, method = _ssd(model, k=3, fan_out=2)
     reference = build_method("autoregressive", target, {}, set()).generate([5, 6], 20, Sampler(GREEDY)).output_ids
-    oracle = ssd_oracle(method, {2 + i: t for i, t in enumerate(reference)}, 1.0)
+    oracle = method.with_oracle({2 + i: t for i, t in enumerate(reference)}, 1.0)
     generation = oracle.generate([5, 6], 20, Sampler(GREEDY))
     timing = generation.timing
-    assert generation.stats["fallback_drafts"] == 1  # the first round only
+    assert generation.stats.fallback_drafts == 1  # the first round only
     assert 0 < timing["modeled"] < timing["decode"]  # drafting hidden behind verification, not added to it
     assert timing["modeled"] >= timing["verify"] + timing["head_update"]
 
@@ -71,12 +70,12 @@ def test_the_replay_equals_execution_at_t0_and_refuses_t1():
     ar = build_method("autoregressive", target, {}, set())
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
-        oracle = ssd_oracle(method, {len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
+        oracle = method.with_oracle({len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
         executed = oracle.generate(prompt, 24, Sampler(GREEDY))
         oracle.speculation.rng.manual_seed(0)
         simulated = oracle.simulate(prompt, reference, 24, Sampler(GREEDY))
         assert (simulated.output_ids, simulated.accepted) == (executed.output_ids, executed.accepted)
-        assert simulated.stats["hits"] == executed.stats["hits"]
+        assert simulated.stats.hits == executed.stats.hits
     with pytest.raises(HarnessError, match="only at T=0"):
         method.simulate([7], reference, 24, Sampler(SamplingConfig(temperature=1.0)))
 
@@ -151,7 +150,7 @@ def test_synchronous_decoding_is_timed_beside_ssd_from_the_same_seed():
     sampled = Sampler(SamplingConfig(temperature=1.0), torch.Generator().manual_seed(3))
     generation = method.generate([5, 6], 20, sampled)
     assert len(seeds) == 1 and torch.equal(seeds[0], torch.Generator().manual_seed(3).get_state())
-    assert generation.stats["synchronous_samples"] == 1 and generation.stats["synchronous_tokens"] == 20
+    assert generation.stats.synchronous_samples == 1 and generation.stats.synchronous_tokens == 20
     assert generation.timing["synchronous_decode"] > 0
     alone = SSD(target, method.params, set(), head=method.drafter.head)  # SSD's tokens do not depend on the extra run
     assert alone.generate([5, 6], 20, Sampler(SamplingConfig(temperature=1.0), torch.Generator().manual_seed(3))
@@ -180,20 +179,20 @@ def test_a_draft_model_drafts_losslessly_and_the_target_drafting_for_itself_hits
     ar = build_method("autoregressive", target, {}, set())
     drafted = SSD(target, SSDParams(k=3, fan_out=2, draft_model=other), set())
     assert SSD.drafter(drafted.params) is None and drafted.drafter.layers == ()  # no trained drafter, no features
-    assert drafted._shape()["ls"] == pytest.approx(4, rel=0.3)  # 4 layers shaped like the target's 6
+    assert drafted._shape().ls == pytest.approx(4, rel=0.3)  # 4 layers shaped like the target's 6
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
         executed = drafted.generate(prompt, 24, Sampler(GREEDY))
         assert executed.output_ids == reference
         replayed = drafted.simulate(prompt, reference, 24, Sampler(GREEDY))
-        assert (replayed.accepted, replayed.stats["hits"]) == (executed.accepted, executed.stats["hits"])
+        assert (replayed.accepted, replayed.stats.hits) == (executed.accepted, executed.stats.hits)
     # The target as its own draft model: every draft is accepted and every bonus token was guessed.
     perfect = SSD(target, SSDParams(k=3, fan_out=2, draft_model=itself), set())
     reference = ar.generate([7], 24, Sampler(GREEDY)).output_ids
     generation = perfect.generate([7], 24, Sampler(GREEDY))
     assert generation.output_ids == reference
-    assert generation.stats["cache_hits"] == generation.steps - 1 and generation.stats["fallback_drafts"] == 1
-    assert all(count == 4 for count in generation.accepted[:-1]) and perfect._shape()["ls"] == 6
+    assert generation.stats.cache_hits == generation.steps - 1 and generation.stats.fallback_drafts == 1
+    assert all(count == 4 for count in generation.accepted[:-1]) and perfect._shape().ls == 6
 
 
 def test_a_draft_model_samples_the_target_distribution(tmp_path):
@@ -242,23 +241,23 @@ def test_the_drafter_in_its_own_rank_drafts_what_one_process_drafts(tmp_path, ar
     prompt = list(range(10, 19))
     reference = build_method("autoregressive", target, {}, set()).generate(prompt, 24, Sampler(GREEDY)).output_ids
     by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
-    local = ssd_oracle(method, by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
-    remote = ssd_oracle(method, by_position, 0.7)
+    local = method.with_oracle(by_position, 0.7).generate(prompt, 24, Sampler(GREEDY))
+    remote = method.with_oracle(by_position, 0.7)
     with launch.stage_group(folder, "cpu", ["cpu"], timeout_s=120) as group:
         executor = remote.distribute(group, "float32")
         generation = remote.generate(prompt, 24, Sampler(GREEDY))
         executor.close()
     assert generation.output_ids == reference
-    assert generation.accepted == local.accepted and generation.stats["hits"] == local.stats["hits"]
-    assert 0 < generation.stats["cache_hits"] < generation.steps - 1  # hits and misses both crossed the wire
+    assert generation.accepted == local.accepted and generation.stats.hits == local.stats.hits
+    assert 0 < generation.stats.cache_hits < generation.steps - 1  # hits and misses both crossed the wire
     for name in ("fallback_drafts", "speculated", "cache_hits"):
-        assert generation.stats[name] == local.stats[name]
+        assert getattr(generation.stats, name) == getattr(local.stats, name)
     timing = generation.timing
     assert timing["wait"] > 0 and timing["drafter_speculate"] > 0
     # modeled from each round's times on both ranks: at least the verification, at most everything in turn
     drafted = sum(timing[f"drafter_{name}"] for name in ("speculate", "head_update", "fallback"))
     assert timing["verify"] <= timing["modeled"] <= timing["verify"] + drafted
-    assert generation.stats["executor"]["kind"] == "distributed" and generation.stats["executor"]["world_size"] == 2
+    assert generation.stats.executor.kind == "distributed" and generation.stats.executor.world_size == 2
 
 
 def test_a_draft_model_in_its_own_rank_drafts_what_one_process_drafts(tmp_path):
@@ -278,7 +277,7 @@ def test_a_draft_model_in_its_own_rank_drafts_what_one_process_drafts(tmp_path):
         generation = method.generate(prompt, 24, Sampler(GREEDY))
         executor.close()
     assert generation.output_ids == local.output_ids
-    assert generation.accepted == local.accepted and generation.stats["hits"] == local.stats["hits"]
+    assert generation.accepted == local.accepted and generation.stats.hits == local.stats.hits
 
 
 def test_the_drafter_in_its_own_rank_samples_the_target_distribution(tmp_path):

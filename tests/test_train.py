@@ -177,7 +177,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             features, _, _ = teacher_pass(target, ids, module.config.all_feature_layers())
-        predictions = spec.predictions(module, features, ids, random.Random(0), 0.5)
+        predictions = spec.predictions(module, features, ids, random.Random(0))
         sum(p.logits.logsumexp(-1).mean() for p in predictions).backward()
     assert all(p.logits.dtype == torch.float32 for p in predictions)
     assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
@@ -202,8 +202,8 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
 
     with torch.inference_mode(False), torch.enable_grad():
         target = TargetRuntime(tiny_model("llama"), max_len=32, identity=ModelIdentity("tiny", "0" * 64))
-        spec = PipelineSpec("spd", 4, 2, "input", "multi_depth") if kind == "spd" else EagleSpec(3)
-        config = TrainConfig(drafters=[spec], init="identity", lr=1e-3)
+        spec = PipelineSpec("spd", 4, 2, "input", "multi_depth", init="identity") if kind == "spd" else EagleSpec(3)
+        config = TrainConfig(drafters=[spec], lr=1e-3)
         trainer = DrafterTrainer(spec, config, target, None)
         for p in trainer.module.parameters():  # away from the identity start, so every layer has a gradient
             p.data.add_(torch.randn_like(p), alpha=0.02)
@@ -216,7 +216,7 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
             p_draft = draft_probabilities(target, final, lse, None)
         trainer.train_step(features, ids, p_draft, mask, random.Random(0))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            predictions = spec.predictions(reference, features, ids, random.Random(0), config.partial_fill)
+            predictions = spec.predictions(reference, features, ids, random.Random(0))
         sum(p.weight * _cross_entropy(p, p_draft, mask) for p in predictions).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip)
     pairs = [(ours.grad, theirs.grad) for ours, theirs in zip(trainer.module.parameters(), reference.parameters())

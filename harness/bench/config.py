@@ -40,7 +40,7 @@ class RunConfig:
     skip_missing: bool = False
     baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
     simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
-    executor: str = "local"  # "distributed": served ranks of their own (pipeline stages, SSD's drafter; launch.py)
+    executor: str = "local"  # "distributed": the method's served ranks in processes of their own (Method.served)
     devices: str | None = None  # distributed: one device per served rank, comma list
     timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
     join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)

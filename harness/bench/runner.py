@@ -235,7 +235,8 @@ class Runner:
             config_key=self.key,
             simulated=c.simulate,
             versions=versions(),
-            stats={**generation.stats, "drafter": self.drafter, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            stats={**generation.stats.record(), "drafter": self.drafter,
+                   "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
             prompt_source=sample.source,
             baseline=None if baseline is None else {
                 "method": REFERENCE_METHOD,

@@ -19,8 +19,6 @@ import torch
 
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
-from methods.ssd.method import SSD
-from methods.ssd.speculate import Speculation
 
 TIE = 0.05  # logits: bf16 carries about 3 significant digits, random-init logits are O(1)
 
@@ -74,86 +72,16 @@ def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: in
     return model.eval()
 
 
-def _oracle_class(reference: dict[int, int], hit_rate: float):
-    """A pipeline drafter that proposes AR's next token with probability `hit_rate`, else its own pick."""
-    from methods.pipeline.drafter import Drafter
-
-    rng = torch.Generator().manual_seed(0)
-
-    class Oracle(Drafter):
-        def logits(self, finished, levels):
-            out = super().logits(finished, levels).clone()
-            for i, leaf in enumerate(levels[-1] if levels else finished[-1:]):
-                token = reference.get(leaf.position + 1)
-                if token is not None and float(torch.rand((), generator=rng)) < hit_rate:
-                    out[i] = -1e4
-                    out[i, token] = 1e4
-            return out
-
-    return Oracle
-
-
-class OracleSpeculation(Speculation):
-    """SSD's drafter side drafting, and guessing, the greedy reference token first with probability `hit_rate` per
-    row, so cache hits and misses both occur with a random head; its state travels to a drafter rank with the plan."""
-
-    def __init__(self, drafter, params, reference: dict[int, int], hit_rate: float, rng: torch.Generator | None = None):
-        super().__init__(drafter, params)
-        self.reference, self.hit_rate = reference, hit_rate
-        self.rng = rng or torch.Generator().manual_seed(0)
-
-    def logits(self, states, positions):
-        logits = super().logits(states, positions).clone()
-        for row, position in enumerate(positions):
-            right = self.reference.get(position)
-            if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
-                logits[row] = -10.0
-                logits[row, right] = 10.0
-        return logits
-
-    def plan_state(self) -> dict:
-        return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}
-
-
-def ssd_oracle(method: SSD, reference: dict[int, int], hit_rate: float) -> SSD:
-    """`method` with the oracle's drafter side in place of its own (a fresh oracle each call)."""
-    method.speculation = OracleSpeculation(method.drafter, method.params, reference, hit_rate)
-    return method
-
-
 def _with_oracle(method, prompt: list[int], reference: list[int]):
-    """The method with a drafter that proposes AR's next token 70% of the time (pipeline engines, SSD)."""
-    by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
-    if hasattr(method, "engine"):
-        method.engine.drafter_class = _oracle_class(by_position, 0.7)
-    if isinstance(method, SSD):
-        return ssd_oracle(method, by_position, 0.7)
-    return method
+    """The method with a drafter that proposes AR's next token 70% of the time (Method.with_oracle)."""
+    return method.with_oracle({len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
 
 
 def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
-    """Every method the harness runs, with random drafters, as chains and as width-4 trees."""
-    from methods.eagle3.head import EagleConfig, EagleHead
-    from methods.eagle3.method import EAGLE3, EagleParams
-    from methods.pipeline.ppsd import PPSD
-    from methods.pipeline.spd import SPD
-    from methods.pipeline.speculator import Speculator, SpeculatorConfig
-    from methods.ssd.method import SSDParams
+    """Every method the harness runs, with random drafters (each family's self-check cases)."""
+    from methods.base import REGISTRY
 
-    found = []
-    widths = (1, 4)
-    for cls, schedule in ((SPD, "input"), (SPD, "output"), (PPSD, "output")):
-        for width in widths:
-            config = SpeculatorConfig(n=4, ls=1, schedule=schedule, policy=cls.policy, num_layers=target.num_layers)
-            speculator = Speculator(config, target).eval()
-            params = cls.Params(n=4, ls=1, schedule=schedule, width=width)
-            found.append((f"{cls.name} n=4 ls=1 {schedule} w={width}", cls(target, params, set(), speculator=speculator)))
-    for width in widths:
-        head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
-        found.append((f"eagle3 m=3 w={width}", EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)))
-    head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
-    found.append(("ssd k=3 fan_out=2", SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), head=head)))
-    return found
+    return [case for cls in REGISTRY.values() for case in cls.selfcheck_cases(target)]
 
 
 def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int) -> list[Check]:
@@ -222,37 +150,27 @@ def _sync(device: torch.device) -> None:
 
 
 def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> list[Check]:
-    """SPD n=2 with one process per stage, and SSD with its drafter in a process of its own, on `device` (a tiny
-    model: every rank loads it from disk; SSD's random head is saved as its checkpoint for the drafter's rank)."""
-    from harness.runtime import checkpoints
+    """Each family that serves ranks, its ranks in processes of their own on `device` (a tiny model: every rank loads
+    it from disk, and what else a rank loads is saved beside it)."""
     from harness.runtime import distributed as launch
     from harness.runtime.models import load_model
-    from methods.base import build_method
-    from methods.eagle3.head import EagleConfig, EagleHead
-    from methods.pipeline.spd import SPD
-    from methods.pipeline.speculator import Speculator, SpeculatorConfig
+    from methods.base import REGISTRY, build_method
     from methods.sampling import Sampler, SamplingConfig
-    from methods.ssd.method import SSDParams
 
     dtype_name = str(dtype).removeprefix("torch.")
     checks = []
     with tempfile.TemporaryDirectory() as scratch:
-        folder, head = f"{scratch}/target", Path(scratch) / "ssd-head"
+        folder = f"{scratch}/target"
         build_model("qwen3_5", "tiny", "cpu", dtype).save_pretrained(folder)
         loaded = load_model(folder, device, dtype_name, tokenizer=False)
         target = TargetRuntime(loaded.model, max_len=max(map(len, prompts)) + new_tokens + 64, identity=loaded.identity)
         ar = build_method("autoregressive", target, {}, set())
         with torch.inference_mode():
             references = [ar.generate(p, new_tokens, Sampler(SamplingConfig())).output_ids for p in prompts]
-        speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=target.num_layers), target).eval()
-        spd = SPD(target, SPD.Params(n=2, ls=1), set(), speculator=speculator)
-        head_config = EagleConfig(ttt=3, num_layers=target.num_layers, target=loaded.identity.to_dict())
-        checkpoints.save(head, EagleHead(head_config, target).eval(),
-                         {"eagle": head_config.to_dict(), "target": head_config.target, "method": "eagle3"})
-        ssd = SSD(target, SSDParams(k=3, fan_out=2, ttt=3), set(), checkpoint=str(head))
-        for label, method, ranks in (("spd n=2", spd, 2), ("ssd k=3 fan_out=2", ssd, 1)):
+        cases = [cls.selfcheck_distributed(target, Path(scratch)) for cls in REGISTRY.values()]
+        for label, method, ranks in (case for case in cases if case is not None):
             identical = 0
-            for prompt, reference in zip(prompts, references):  # a group per prompt: SSD's oracle travels in the plan
+            for prompt, reference in zip(prompts, references):  # a group per prompt: an oracle travels in the plan
                 with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
                     oracle = _with_oracle(method, prompt, reference)
                     executor = oracle.distribute(group, dtype_name)

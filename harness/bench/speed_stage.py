@@ -18,8 +18,7 @@ from tabulate import tabulate
 
 from harness.runtime.provenance import versions
 from harness.runtime.results import ResultStore, config_key
-from harness.runtime.target import TargetRuntime
-from methods.pipeline.speculator import stage_bounds
+from harness.runtime.target import TargetRuntime, stage_bounds
 
 
 @dataclass

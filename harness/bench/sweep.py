@@ -16,7 +16,7 @@ from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
 from harness.runtime.results import ResultStore
-from methods.base import REGISTRY, check_fit, parse_params
+from methods.base import REGISTRY, check_fit, offers, parse_params
 from methods.sampling import NO_TRUNCATION
 
 
@@ -88,14 +88,13 @@ def grid(methods: list[str], values: dict[str, list], temperatures: list[float],
 
 
 def _valid(method: str, params: dict) -> bool:
-    """False for a schedule the method does not have (PPSD: output only); other bad values are errors."""
+    """False for a value the method does not take (a parameter's `choices`); other bad values are errors."""
+    if not offers(REGISTRY[method], params):
+        return False
     try:
         parse_params(REGISTRY[method], params)
         return True
     except ValueError as exc:
-        without = {k: v for k, v in params.items() if k != "schedule"}
-        if "schedule" in params and without != params and _valid(method, without):
-            return False
         raise HarnessError(f"{method} {params}: {exc}; fix the sweep's values") from None
 
 

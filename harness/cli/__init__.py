@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 
 # Before torch loads: c10d logs every connection retry and timeout itself, with C++ frames, while the harness turns
 # each failure into one line that says what failed (set the variable to see them).
@@ -87,37 +87,65 @@ def _method_options(args: list[str]) -> dict:
     return _params(tuple(pairs))
 
 
-def _declared_params() -> dict[str, tuple[type, str, list[str]]]:
-    """Every parameter a registered method declares (its Params): type, help and each declaring method with its
-    default."""
+@dataclass
+class Declared:
+    """A method parameter as the command line offers it."""
+
+    kind: type
+    help: str
+    users: list[str] = field(default_factory=list)  # each declaring method, with its default where it has one
+    flags: tuple[str, ...] = ()  # further names its option answers to (names from before it was generated)
+    defaults: bool = True  # users name their defaults (a training-only option has none)
+
+
+def _declared_params(training: bool = False) -> dict[str, Declared]:
+    """Every parameter a registered method declares (its Params); with `training`, the ones the trainable families
+    train over (their `training_params`) and their training-only options (`training_options`)."""
     import methods  # noqa: F401  (fills the registry)
     from methods.base import REGISTRY
 
-    declared: dict[str, tuple[type, str, list[str]]] = {}
+    declared: dict[str, Declared] = {}
     for cls in REGISTRY.values():
+        if training and not cls.trainable:
+            continue
         for f in fields(cls.Params):
+            if training and f.name not in cls.training_params:
+                continue
             kind = {"int": int, "float": float, "str": str}[getattr(f.type, "__name__", str(f.type))]
-            declared.setdefault(f.name, (kind, f.metadata.get("help", ""), []))[2].append(f"{cls.name} {f.default!r}")
+            entry = declared.setdefault(f.name, Declared(kind, f.metadata.get("help", ""),
+                                                         flags=f.metadata.get("flags", ())))
+            entry.users.append(f"{cls.name} {f.default!r}")
+        for name, (kind, text) in (cls.training_options.items() if training else ()):
+            declared.setdefault(name, Declared(kind, text, defaults=False)).users.append(cls.name)
     return declared
 
 
-def param_options(lists: bool = False, skip: tuple[str, ...] = ()):
+def param_options(lists: bool = False, skip: tuple[str, ...] = (), training: bool = False,
+                  only: tuple[str, ...] | None = None):
     """A `--name` option per method parameter, from the methods' Params (type, help); default None: the method's own
     default (each method's is listed in the help). With `lists`, each takes a comma list and arrives as
-    `<name>_values` (sweeps)."""
+    `<name>_values` (sweeps, training); `training`: the parameters `spd-bench train` takes (see _declared_params)."""
 
     def decorate(command):
-        for name, (kind, text, users) in sorted(_declared_params().items(), reverse=True):
-            if name in skip:
+        for name, entry in sorted(_declared_params(training).items(), reverse=True):
+            if name in skip or (only is not None and name not in only):
                 continue
-            flag, about = f"--{name.replace('_', '-')}", f"{text} [default: {', '.join(users)}]"
+            flags = (f"--{name.replace('_', '-')}", *entry.flags)
+            about = f"{entry.help} [{'default' if entry.defaults else 'methods'}: {', '.join(entry.users)}]"
             if lists:
-                command = click.option(flag, f"{name}_values", default=None, help=f"Comma list. {about}")(command)
+                command = click.option(*flags, f"{name}_values", default=None, help=f"Comma list. {about}")(command)
             else:
-                command = click.option(flag, name, type=kind, default=None, help=about)(command)
+                command = click.option(*flags, name, type=entry.kind, default=None, help=about)(command)
         return command
 
     return decorate
+
+
+def list_values(named: dict[str, str | None], training: bool = False) -> dict[str, list]:
+    """`<name>_values` comma lists (param_options(lists=True)) as {name: [typed values]} for the ones given."""
+    declared = _declared_params(training)
+    return {name: _values(text, declared[name].kind) for key, text in named.items()
+            if text is not None and (name := key.removesuffix("_values")) in declared}
 
 
 @click.group(cls=_Group)

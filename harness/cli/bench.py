@@ -7,7 +7,16 @@ from pathlib import Path
 import click
 
 from harness.bench.data import DATASETS
-from harness.cli import _values, data_option, device_option, dtype_option, main, model_option
+from harness.cli import (
+    _values,
+    data_option,
+    device_option,
+    dtype_option,
+    list_values,
+    main,
+    model_option,
+    param_options,
+)
 from harness.cli.drafters import _drafter_specs
 
 
@@ -39,10 +48,8 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 
 
 @bench.command("train")
-@click.option("--method", "methods", default="spd,ppsd,eagle3", show_default=True, help="Comma list of drafter kinds.")
-@click.option("--n", "n_values", default="8", show_default=True, help="Pipeline stages (comma list).")
-@click.option("--ls", "ls_values", default=None, help="Drafter decoder layers (default: spd 4, ppsd 1).")
-@click.option("--ttt", "ttt_values", default="7", show_default=True, help="EAGLE-3 training-time-test steps.")
+@click.option("--method", "methods", default=None, help="Comma list of drafter kinds (default: every trainable method).")
+@param_options(lists=True, training=True)
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
@@ -51,12 +58,12 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @device_option
 @dtype_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
-def bench_train_command(methods, n_values, ls_values, ttt_values, seq_len, batch_size, steps, model, device, dtype, out):
+def bench_train_command(methods, seq_len, batch_size, steps, model, device, dtype, out, **named_values):
     """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches."""
     from harness.training import speed as bench_train
     from harness.training.train import TrainConfig
 
-    specs = _drafter_specs(methods, n_values, ls_values, None, ttt_values)
+    specs = _drafter_specs(methods, list_values(named_values, training=True))
     config = TrainConfig(drafters=specs, model=model, seq_len=seq_len, batch_size=batch_size, device=device,
                          dtype=dtype, val_prompts=0)
     results = bench_train.bench_train(config, steps)

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import click
 
-from harness.cli import _method_options, _params, _values, main, param_options, prompt_options
+from harness.cli import _method_options, _params, _values, list_values, main, param_options, prompt_options
+from harness.reporting.paper import FLAGSHIP, GRID
+
+
+def _served() -> str:
+    from methods.base import REGISTRY
+
+    return ", ".join(f"{cls.serves} ({cls.name})" for cls in REGISTRY.values() if cls.serves)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -24,8 +31,7 @@ from harness.cli import _method_options, _params, _values, main, param_options, 
 @click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
 @click.option("--executor", type=click.Choice(["local", "distributed"]), default="local", show_default=True,
               help="Run everything in this process, or give the method's served ranks processes of their own "
-                   "(torch.distributed, started here or by torchrun): one per pipeline stage (spd, ppsd), the "
-                   "drafter (ssd).")
+                   f"(torch.distributed, started here or by torchrun): {_served()}.")
 @click.option("--devices", default=None,
               help="--executor distributed: one device per served rank, e.g. cuda:1,cuda:2 (default: the --device "
                    "type).")
@@ -55,36 +61,39 @@ def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, ma
         click.echo(f"results: {path}")
 
 
+def _parity_families() -> list:
+    from methods.base import REGISTRY
+
+    return [cls for cls in REGISTRY.values() if cls.checks_parity]
+
+
 @main.command()
-@click.option("--method", default="spd", show_default=True, type=click.Choice(["spd", "ppsd"]))
-@click.option("--n", type=int, default=None, help="Pipeline stages.")
-@click.option("--ls", type=int, default=None, help="Drafter decoder layers.")
-@click.option("--schedule", type=click.Choice(["input", "output"]), default=None, help="Drafter schedule.")
+@click.option("--method", default=FLAGSHIP, show_default=True,
+              type=click.Choice([cls.name for cls in _parity_families()]))
+@param_options(only=tuple(p for cls in _parity_families() for p in cls.training_params))
 @prompt_options
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (default: the cache).")
-def parity(method, n, ls, schedule, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate,
-           checkpoint):
-    """Train/decode parity of a pipeline drafter: its top-1 per (position, fill level) on the greedy AR output, through
-    the training layout, the decoding engine and the replay; exits 1 on any disagreement beyond near-ties."""
+def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate, checkpoint,
+           **named):
+    """Train/decode parity of a drafter: its predictions on the greedy AR output through the training layout and
+    through decoding, as its family compares them; exits 1 on any disagreement beyond near-ties."""
     from harness.bench.config import RunConfig
     from harness.bench.parity import check as parity_check
-    from harness.bench.parity import table
 
     if simulate:
         raise click.UsageError("parity always compares the engine with the training layout; drop --simulate")
-    named = {"n": n, "ls": ls, "schedule": schedule}
     config = RunConfig(method=method, params={k: v for k, v in named.items() if v is not None}, model=model,
                        datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device,
                        dtype=dtype, data_dir=data_dir, checkpoint=checkpoint)
     found = parity_check(config)
-    click.echo(table(found))
+    click.echo(found.table())
     if found.disagree:
         raise SystemExit(1)
 
 
 @main.command()
 @click.option("--preset", type=click.Choice(["paper"]), default=None,
-              help="paper: EAGLE-3 m 3/7/15, PPSD n 4/8/16, SPD n 4/8/16 x Ls 1-4 (+ output ablation), T 0/1, width 1/4.")
+              help=f"paper: {GRID}.")
 @click.option("--method", "methods", default=None, help="Comma list of methods (instead of --preset).")
 @param_options(lists=True, skip=("width",))
 @click.option("--width", "widths", default="1", show_default=True, help="Comma list of draft widths.")
@@ -102,7 +111,6 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
     from harness.bench.config import RunConfig
     from harness.bench.sweep import grid
     from harness.bench.sweep import sweep as run_sweep
-    from harness.cli import _declared_params
     from harness.reporting.paper import paper_grid
 
     if (preset is None) == (methods is None):
@@ -110,9 +118,7 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
     if preset:
         points = paper_grid()
     else:
-        kinds = {name: kind for name, (kind, _, _) in _declared_params().items()}
-        values = {name.removesuffix("_values"): _values(text, kinds[name.removesuffix("_values")])
-                  for name, text in param_values.items()}
+        values = list_values(param_values)
         points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths), (top_k, top_p))
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)

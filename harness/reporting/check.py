@@ -80,7 +80,7 @@ def baseline_from(summaries: list[Summary], rows: list[dict]) -> list[Expected]:
     for row in rows:
         by_key.setdefault(row["config_key"], []).append(row)
     return [Expected(s.config_key, _label(s), round(s.tokens_per_step, 4), s.samples,
-                     None if s.acceptance is None else round(s.acceptance, 4), sum(s.fill_accepts),
+                     None if s.acceptance is None else round(s.acceptance, 4), sum(s.position_accepts),
                      run_spec(by_key[s.config_key]))
             for s in summaries if s.dataset == OVERALL and s.tokens_per_step is not None]
 

@@ -1,6 +1,6 @@
-"""Report figures (matplotlib, PNG): acceptance by draft position / fill level, accepted-length histograms,
-theoretical vs measured speedups and the cycle wall breakdown per executed configuration, and theoretical speedup
-over n and over Ls."""
+"""Report figures (matplotlib, PNG): acceptance per position on each family's axis, accepted-length histograms of
+draft-then-verify rounds, theoretical vs measured speedups and the cycle wall breakdown per executed configuration,
+and the paper's scaling figures (reporting/paper.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from harness.reporting.metrics import Block, Summary, find  # noqa: E402
-
-
-def _name(s: Summary) -> str:
-    """Method and parameters, without the width and the default input schedule."""
-    params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items())
-                      if k != "width" and (k != "schedule" or v != "input"))
-    return f"{s.method} {params}".strip()
+from harness.reporting.metrics import Block, Summary, config_label, family, find  # noqa: E402
+from harness.reporting.paper import ScalingFigure  # noqa: E402
+from methods.rounds import DRAFT_POSITIONS  # noqa: E402
 
 
 def _label(s: Summary) -> str:
-    return f"{_name(s)} width={s.width} T={s.sampling}" + (" [distributed]" if s.executor == "distributed" else "")
+    """The table's name of the configuration, with the width and sampling a figure's rows mix."""
+    return f"{config_label(s)} width={s.width} T={s.sampling}"
 
 
 def _preferred(summaries: list[Summary]) -> list[Summary]:
@@ -33,22 +29,23 @@ def _preferred(summaries: list[Summary]) -> list[Summary]:
     return list({id(s): s for s in chosen}.values())
 
 
-def acceptance(summaries: list[Summary], path: Path) -> Path | None:
-    """Acceptance rate per fill level (pipeline) or draft position (EAGLE-3): one row of panels per (T, width), one
-    line per configuration."""
-    shown = [s for s in _preferred(summaries) if s.fill_drafts]
-    panels = _panels(shown)
+def acceptance(summaries: list[Summary], path: Path, axes: dict) -> Path | None:
+    """Acceptance rate per position, one column of panels per family axis (`axes`: the report's position_axes),
+    one row per (T, width), one line per configuration."""
+    preferred = {id(s) for s in _preferred(summaries)}
+    axes = {axis: [s for s in shown if id(s) in preferred] for axis, shown in axes.items()}
+    panels = _panels([s for shown in axes.values() for s in shown])
     if not panels:
         return None
-    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 3.6 * len(panels)), squeeze=False)
-    for block, row in zip(panels, axes):
-        for ax, kind, xlabel in ((row[0], "pipeline", "pipeline fill level"), (row[1], "draft", "draft position")):
+    fig, grid = plt.subplots(len(panels), len(axes), figsize=(6.5 * len(axes), 3.6 * len(panels)), squeeze=False)
+    for block, row in zip(panels, grid):
+        for ax, (axis, shown) in zip(row, axes.items()):
             for s in shown:
-                if s.block == block and getattr(s, kind) is not None:
-                    rates = [float("nan") if a is None else a for a in s.fill_acceptance]
-                    ax.plot(range(len(rates)), rates, marker="o", label=_name(s))
+                if s.block == block:
+                    rates = [float("nan") if a is None else a for a in s.position_acceptance]
+                    ax.plot(range(len(rates)), rates, marker="o", label=config_label(s))
             ax.set_title(block.title)
-            ax.set_xlabel(xlabel)
+            ax.set_xlabel(axis.name)
             ax.set_ylabel("acceptance rate")
             ax.grid(alpha=0.3)
             if ax.lines:
@@ -57,11 +54,13 @@ def acceptance(summaries: list[Summary], path: Path) -> Path | None:
 
 
 def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
-    """Histogram of tokens committed per round of the draft-then-verify methods (a pipeline cycle commits at most
-    one), T=0, from executed records where the configuration was also simulated."""
+    """Histogram of tokens committed per round of the draft-then-verify methods (the families whose positions are a
+    round's drafts; a pipeline cycle commits at most one), T=0, from executed records where the configuration was also
+    simulated."""
     groups: dict[str, dict[bool, Counter]] = {}
     for row in rows:
-        if row["temperature"] == 0 and row.get("stats", {}).get("draft"):
+        cls = family(row["method"])
+        if row["temperature"] == 0 and cls is not None and cls.positions is DRAFT_POSITIONS:
             name = f"{row['method']} " + " ".join(f"{k}={v}" for k, v in sorted(row["params"].items()))
             counts = groups.setdefault(name, {}).setdefault(bool(row.get("simulated")), Counter())
             counts.update(a for a in row["accepted"] if a > 0)
@@ -103,20 +102,22 @@ def speedups(summaries: list[Summary], path: Path) -> Path | None:
 
 
 def cycle_breakdown(summaries: list[Summary], path: Path) -> Path | None:
-    """Stacked ms per cycle of each executed pipeline configuration: draft, stages, verification, the rest."""
+    """Stacked ms per cycle of each executed configuration whose family times its phases (Method.cycle_breakdown):
+    its serial phases, the ones before "cycle" (which they add up to)."""
     shown = [(s, s.cycle_breakdown) for s in summaries]
     shown = [(s, ms) for s, ms in shown if ms is not None]
     if not shown:
         return None
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(shown)))
     left = [0.0] * len(shown)
-    for phase in ("draft", "stages", "verify", "other"):
+    names = list(shown[0][1])
+    for phase in names[: names.index("cycle")]:
         values = [max(ms[phase], 0.0) for _, ms in shown]
         ax.barh(range(len(shown)), values, left=left, label=phase)
         left = [a + b for a, b in zip(left, values)]
     ax.set_yticks(range(len(shown)), [_label(s) for s, _ in shown], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per pipeline cycle (driver)")
+    ax.set_xlabel("ms per cycle (driver)")
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -160,35 +161,21 @@ def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int
     return _save(fig, path)
 
 
-def speedup_over_n(summaries: list[Summary], path: Path) -> Path | None:
-    """Theoretical speedup vs pipeline stages n: SPD per Ls and PPSD as lines, EAGLE-3 per m as flat references."""
+def scaling(spec: ScalingFigure, summaries: list[Summary], path: Path) -> Path | None:
+    """One of the paper's figures: theoretical speedup along a parameter, a panel per (T, width)."""
     def draw(ax, block) -> bool:
-        lines = [(f"SPD Ls={ls}", _series(summaries, "spd", {"ls": ls, "schedule": "input"}, "n", block))
-                 for ls in sorted({s.params.get("ls") for s in summaries if s.method == "spd"})]
-        lines.append(("PPSD", _series(summaries, "ppsd", {}, "n", block)))
-        for name, (xs, ys) in lines:
+        for series in spec.lines:
+            xs, ys = _series(summaries, series.method, series.fixed, series.axis, block)
             if xs:
-                ax.plot(xs, ys, marker="o", label=name)
-        xs, ys = _series(summaries, "eagle3", {}, "m", block)
-        for m, y in zip(xs, ys):
-            ax.axhline(y, linestyle="--", linewidth=1, color="gray")
-            ax.annotate(f"EAGLE-3 m={m}", (4, y), fontsize=7, va="bottom")
+                ax.plot(xs, ys, marker="o", label=series.label)
+        for series in spec.levels:
+            xs, ys = _series(summaries, series.method, series.fixed, series.axis, block)
+            for x, y in zip(xs, ys):
+                ax.axhline(y, linestyle="--", linewidth=1, color="gray")
+                ax.annotate(f"{series.label}={x}", (spec.ticks[0], y), fontsize=7, va="bottom")
         return bool(ax.lines)
 
-    ns = sorted({s.params["n"] for s in summaries if s.method in ("spd", "ppsd") and "n" in s.params} | {4, 8, 16})
-    return _grid_of_panels(_panels(summaries), draw, "pipeline stages n", path, ns)
-
-
-def spd_over_ls(summaries: list[Summary], path: Path) -> Path | None:
-    """SPD (input schedule) theoretical speedup vs drafter depth Ls, one line per n."""
-    def draw(ax, block) -> bool:
-        for n in sorted({s.params.get("n") for s in summaries if s.method == "spd"}):
-            xs, ys = _series(summaries, "spd", {"n": n, "schedule": "input"}, "ls", block)
-            if xs:
-                ax.plot(xs, ys, marker="o", label=f"SPD n={n}")
-        return bool(ax.lines)
-
-    return _grid_of_panels(_panels(summaries), draw, "drafter layers Ls", path, [1, 2, 3, 4])
+    return _grid_of_panels(_panels(summaries), draw, spec.xlabel, path, spec.ticks)
 
 
 def _save(fig, path: Path) -> Path:

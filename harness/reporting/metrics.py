@@ -1,11 +1,10 @@
 """Pooled metrics over result records: sums per dataset and overall, never means of per-sample ratios.
 
-Definitions (one for every method): tokens/step (the prefill token excluded) is tau for draft-then-verify methods
-(tokens per target forward, bonus included) and alpha for pipeline methods; L'acc = alpha * L / largest stage;
-the theoretical and modeled multi-device speedups are each family's own formulas (its method class: SPD/PPSD in
-methods/pipeline/spd.py, EAGLE-3 in methods/eagle3/method.py), the reference's definition for pipeline runs (n * N / S per sample,
-averaged) is reported beside them; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the
-same prompts.
+Definitions (one for every method): tokens/step (the prefill token excluded) is committed tokens per target step
+(a round's forward or a pipeline cycle); acceptance is accepted drafts over drafts verified, per draft position as
+the family counts positions; wall-clock speedup is decode tokens/s over AR's, timed beside the method on the same
+prompts. L'acc, the theoretical, modeled and reference-definition speedups and the cycle breakdown are each
+family's own formulas (hooks of its method class, methods/base.py), read from the family's typed stats pooled here.
 """
 
 from __future__ import annotations
@@ -13,7 +12,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from harness.bench.config import RunConfig
+from methods.base import REGISTRY, Method
 from methods.sampling import NO_TRUNCATION
+from methods.stats import Stats
 
 OVERALL = "overall"
 
@@ -27,6 +29,27 @@ def sampling_label(temperature: float, truncation: tuple[int, float]) -> str:
 def _add(totals: dict, values: dict) -> None:
     for key, value in values.items():
         totals[key] += value
+
+
+def params_label(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(params.items())) or "—"
+
+
+def length_label(max_new_tokens: int) -> str:
+    """A label's length suffix: runs of another length than `run`'s default are other configurations."""
+    return "" if max_new_tokens in (0, RunConfig.max_new_tokens) else f" ({max_new_tokens} tokens)"
+
+
+def config_label(s: Summary) -> str:
+    """A configuration as tables and figures name it: method, parameters (the width apart), length, how it ran."""
+    params = {k: v for k, v in s.params.items() if k != "width"}
+    name = (f"{s.method} {params_label(params)}" if params else s.method) + length_label(s.max_new_tokens)
+    return name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.distributed else "")
+
+
+def family(method: str) -> type[Method] | None:
+    """The method's class: it owns its figure formulas and reads its stats; None for a method not installed here."""
+    return REGISTRY.get(method)
 
 
 @dataclass(frozen=True, order=True)
@@ -60,41 +83,29 @@ class Summary:
     identical: int = 0
     divergences: list = field(default_factory=list)
     timing: dict = field(default_factory=lambda: defaultdict(float))
-    counts: dict = field(default_factory=lambda: defaultdict(int))
-    fill_drafts: list = field(default_factory=list)
-    fill_accepts: list = field(default_factory=list)
+    stats: Stats | None = None  # the family's stats (Method.Stats), pooled over the samples
+    lengths: list = field(default_factory=list)  # (new tokens, steps) of each sample
+    position_drafts: list = field(default_factory=list)  # drafts verified per draft position (the family's axis)
+    position_accepts: list = field(default_factory=list)
     baseline_tokens: int = 0
     baseline_decode_s: float = 0.0
-    pipeline: dict | None = None  # pipeline methods: layers, stages, Ls, schedule, width
-    draft: dict | None = None  # draft-then-verify methods: layers, Ls, m, width
     simulated: bool = False  # acceptance replayed on the AR output, not executed
-    expected_accepts: float = 0.0  # simulated runs: summed acceptance probabilities of the verified drafts
-    executor: str = "local"  # pipeline methods: where the stages ran ("distributed": one process per stage)
-    stage_forward: list = field(default_factory=list)  # distributed: each stage rank's summed forward seconds
-    reference_ratios: float = 0.0  # pipeline: summed per-sample n * N / S, the reference's theoretical speedup
 
     def add(self, row: dict) -> None:
         self.samples += 1
         self.new_tokens += row["new_tokens"]
         self.steps += row["steps"]
+        self.lengths.append((row["new_tokens"], row["steps"]))
         self.checked += bool(row["lossless"].get("checked"))
         self.identical += bool(row["lossless"].get("identical"))
         if row["lossless"].get("checked") and not row["lossless"].get("identical"):
             self.divergences.append((row["question_id"], row["lossless"].get("first_divergence")))
         _add(self.timing, row["timing"])
-        stats = row.get("stats", {})
-        _add(self.counts, {k: v for k, v in stats.items() if type(v) is int})  # every family's counters
-        self.expected_accepts += stats.get("expected_accepts", 0.0)
-        self.pipeline = stats.get("pipeline", self.pipeline)
-        if "pipeline" in stats and row["steps"]:
-            self.reference_ratios += stats["pipeline"]["n"] * row["new_tokens"] / row["steps"]
-        self.draft = stats.get("draft", self.draft)
-        executor = stats.get("executor") or {}
-        self.executor = executor.get("kind", self.executor)
-        self.stage_forward = _vector_sum(self.stage_forward, executor.get("stage_forward_s", []))
+        stats = (self.family.Stats if self.family else Stats).read(row.get("stats") or {})
+        self.stats = stats if self.stats is None else self.stats.pooled(stats)
         accepts = row.get("position_accepts", [])
-        self.fill_drafts = _vector_sum(self.fill_drafts, stats.get("fill_drafts") or [row["steps"]] * len(accepts))
-        self.fill_accepts = _vector_sum(self.fill_accepts, accepts)
+        self.position_drafts = _vector_sum(self.position_drafts, stats.drafts(row["steps"], len(accepts)))
+        self.position_accepts = _vector_sum(self.position_accepts, accepts)
         if row.get("baseline"):
             self.baseline_tokens += row["baseline"]["new_tokens"]
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
@@ -143,68 +154,54 @@ class Summary:
 
     @property
     def acceptance(self) -> float | None:
-        """Share of verified drafts the target accepted (pipeline), or of draft positions offered (EAGLE-3)."""
-        drafts = sum(self.fill_drafts)
-        return sum(self.fill_accepts) / drafts if drafts else None
+        """Share of the drafts the target verified that it accepted, over the family's positions."""
+        drafts = sum(self.position_drafts)
+        return sum(self.position_accepts) / drafts if drafts else None
 
     @property
     def expected_acceptance(self) -> float | None:
         """Simulated runs: the verifier's expected acceptance, sum of min(p, q) per draft over the drafts."""
-        drafts = sum(self.fill_drafts)
-        return self.expected_accepts / drafts if drafts and self.simulated else None
+        drafts = sum(self.position_drafts)
+        expected = (self.stats.expected_accepts or 0.0) if self.stats else 0.0
+        return expected / drafts if drafts and self.simulated else None
 
     @property
-    def fill_acceptance(self) -> list[float | None]:
-        return [a / d if d else None for a, d in zip(self.fill_accepts, self.fill_drafts)]
+    def position_acceptance(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.position_accepts, self.position_drafts)]
 
-    # --- speedups ---------------------------------------------------------------------------------------------
+    # --- the family's figures ---------------------------------------------------------------------------------
+    @property
+    def family(self) -> type[Method] | None:
+        return family(self.method)
+
+    def _figure(self, hook: str):
+        return None if self.family is None else getattr(self.family, hook)(self)
+
     @property
     def l_acc(self) -> float | None:
-        if self.pipeline is None or self.tokens_per_step is None:
-            return None
-        return self.tokens_per_step * self.pipeline["num_layers"] / self.pipeline["largest_stage"]
-
-    @property
-    def family(self):
-        """The method's class: it owns its speedup formulas (methods/*.py); None for a method not installed here."""
-        from methods.base import REGISTRY
-
-        return REGISTRY.get(self.method)
+        return self._figure("l_acc")
 
     @property
     def theoretical_speedup(self) -> float | None:
-        return None if self.family is None else self.family.theoretical_speedup(self)
+        return self._figure("theoretical_speedup")
 
     @property
     def reference_theoretical(self) -> float | None:
-        """The reference code's theoretical speedup of a pipeline run: n * N / S per sample (N counts the prefill
-        token, S the decode cycles), averaged over samples, so a row compares with its published tables directly."""
-        return self.reference_ratios / self.samples if self.pipeline is not None and self.samples else None
+        return self._figure("reference_speedup")
 
     @property
     def modeled_speedup(self) -> float | None:
         """The theoretical formula with measured component times (the family's; simulated runs have no times)."""
-        return None if self.family is None else self.family.modeled_speedup(self)
+        return self._figure("modeled_speedup")
 
     @property
-    def stage_seconds(self) -> float:
-        """Pipeline runs: seconds of stage compute; distributed runs time it on the ranks, where the driver's
-        "stages" is its wait, transfers included."""
-        return sum(self.stage_forward) if self.executor == "distributed" else self.timing.get("stages", 0.0)
+    def cycle_breakdown(self) -> dict[str, float | None] | None:
+        return self._figure("cycle_breakdown")
 
     @property
-    def cycle_breakdown(self) -> dict[str, float] | None:
-        """Executed pipeline runs: the driver's serial phases in ms per cycle (they add up to the cycle's wall time)
-        and, distributed, the slowest stage rank's forward time per cycle."""
-        if self.pipeline is None or self.simulated or not self.steps or not self.timing.get("decode"):
-            return None
-        ms = {phase: 1000 * self.timing.get(key, 0.0) / self.steps
-              for phase, key in (("draft", "drafter"), ("stages", "stages"), ("verify", "verify_head"))}
-        ms["other"] = 1000 * self.timing["decode"] / self.steps - sum(ms.values())
-        ms["cycle"] = 1000 * self.timing["decode"] / self.steps
-        if self.stage_forward:
-            ms["slowest stage"] = 1000 * max(self.stage_forward) / self.steps
-        return ms
+    def distributed(self) -> bool:
+        """Whether the family's served ranks ran in processes of their own (`--executor distributed`)."""
+        return self.stats is not None and self.stats.executor_kind == "distributed"
 
     @property
     def wall_clock_speedup(self) -> float | None:

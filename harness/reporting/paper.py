@@ -19,6 +19,93 @@ from harness.reporting.metrics import OVERALL, Summary, find
 from methods.sampling import NO_TRUNCATION
 
 MEAN = "mean"
+FLAGSHIP = "spd"  # the paper's method: what `spd-bench train` trains unless told otherwise
+GRID = "EAGLE-3 m 3/7/15, PPSD n 4/8/16, SPD n 4/8/16 x Ls 1-4 (+ output ablation), T 0/1, width 1/4"
+
+# The paper's metrics as the report defines them (the notes under its tables).
+DEFINITIONS = """\
+tokens/step: tau (draft-then-verify) or alpha (pipeline: tokens per cycle); L'acc = alpha * L / largest stage.
+theoretical x: input schedule alpha*L/max(largest stage, Ls), output schedule alpha*L/(largest stage + Ls),
+EAGLE-3 tau*L/(Ls*m + L) (tokens/step excludes each sample's prefill token).
+modeled x: the same with measured stage / drafter / verification-head times (one device per stage).
+wall-clock x: decode tok/s over AR's, AR timed beside the method on the same prompts in the same run; a
+single-process pipeline runs its stages one after another, so this is below 1 by construction.
+(sim): acceptance replayed on the AR output from one teacher-forced pass (`--simulate`): exact at T=0, expected
+acceptance at T>0; no timings and no losslessness check of its own.
+lossless %: samples token-identical to greedy AR among those checked (T=0); T>0 is covered by distribution tests.
+"""
+
+
+# --- the paper's tables and figures over its axes ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Axes:
+    """A scaling table: one method's cells over one of its parameters (rows), or two (rows x columns), the others
+    fixed; the report draws one per (T, width) block that has any of its cells."""
+
+    title: str
+    method: str
+    rows: tuple[str, tuple]  # (parameter, values)
+    columns: tuple[str, tuple, str] | None = None  # (parameter, values, its name in the header)
+    fixed: dict = field(default_factory=dict, hash=False)
+
+
+SCALING = (
+    Axes("SPD (input schedule) over n and Ls", "spd", ("n", (4, 8, 16)), ("ls", (1, 2, 3, 4), "Ls"),
+         {"schedule": "input"}),
+    Axes("EAGLE-3 over m", "eagle3", ("m", (3, 7, 15))),
+    Axes("PPSD over n", "ppsd", ("n", (4, 8, 16))),
+)
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """Configurations that differ in one parameter only, side by side (rows named by `label`'s parameters)."""
+
+    title: str
+    parameter: str
+    values: tuple[str, str]
+    label: tuple[str, ...]
+    metric: str  # what tokens/step is called for these methods
+
+
+ABLATION = Ablation("Schedule ablation: input vs output state", "schedule", ("input", "output"), ("n", "ls"), "alpha")
+
+
+@dataclass(frozen=True)
+class Series:
+    """A line of theoretical speedup along one parameter of a method, the others fixed."""
+
+    label: str
+    method: str
+    fixed: dict
+    axis: str
+
+
+@dataclass(frozen=True)
+class ScalingFigure:
+    title: str
+    file: str
+    xlabel: str
+    lines: list[Series]
+    levels: list[Series]  # drawn as flat reference lines, one per value along their axis
+    ticks: list[int]
+
+
+def _values(summaries: list[Summary], methods: tuple[str, ...], parameter: str) -> list:
+    return sorted({s.params[parameter] for s in summaries if s.method in methods and parameter in s.params})
+
+
+def scaling_figures(summaries: list[Summary]) -> list[ScalingFigure]:
+    """Theoretical speedup vs pipeline stages n (SPD per Ls and PPSD as lines, EAGLE-3 per m as flat references) and
+    SPD (input schedule) vs drafter depth Ls, one line per n."""
+    over_n = [Series(f"SPD Ls={ls}", "spd", {"ls": ls, "schedule": "input"}, "n")
+              for ls in _values(summaries, ("spd",), "ls")] + [Series("PPSD", "ppsd", {}, "n")]
+    over_ls = [Series(f"SPD n={n}", "spd", {"n": n, "schedule": "input"}, "ls")
+               for n in _values(summaries, ("spd",), "n")]
+    return [ScalingFigure("Theoretical speedup vs n", "speedup_over_n.png", "pipeline stages n", over_n,
+                          [Series("EAGLE-3 m", "eagle3", {}, "m")],
+                          sorted(set(_values(summaries, ("spd", "ppsd"), "n")) | {4, 8, 16})),
+            ScalingFigure("SPD over Ls", "spd_over_ls.png", "drafter layers Ls", over_ls, [], [1, 2, 3, 4])]
 
 
 def paper_grid() -> list[GridPoint]:

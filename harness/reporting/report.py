@@ -1,11 +1,11 @@
 """The report: the paper's tables from pooled metrics, as Markdown, LaTeX or CSV (pandas frames; Markdown through
 tabulate, LaTeX as booktabs tables).
 
-Tables (in order): main blocks per (T, width); scaling of SPD over n x Ls, EAGLE-3 over m, PPSD over n; the
-input/output schedule ablation; theoretical vs modeled vs wall-clock speedup; acceptance by fill level and draft
-position; the paper's claims checked on the records; the paper's reference values beside ours; losslessness; every
-configuration by dataset. Empty cells show "—" and the report ends with the commands that fill the paper grid's
-missing configurations.
+Tables (in order): the summary; main blocks per (T, width); the paper's scaling tables and its ablation
+(reporting/paper.py); theoretical vs modeled vs wall-clock speedup; acceptance per position on each family's axis;
+the cycle breakdown and each family's own figures (its Method hooks); simulated vs executed; the paper's claims
+checked on the records; the paper's reference values beside ours; losslessness; every configuration by dataset.
+Empty cells show "—" and the report ends with the commands that fill the paper grid's missing configurations.
 """
 
 from __future__ import annotations
@@ -17,26 +17,36 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.bench.config import RunConfig
 from harness.bench.data import DATASETS
 from harness.bench.sweep import GridPoint
-from harness.reporting.metrics import OVERALL, Block, Summary, find, sampling_label
-from harness.reporting.paper import MEAN, REFERENCES, Reference, paper_grid, paper_truncation, verdicts
+from harness.reporting.metrics import (
+    OVERALL,
+    Block,
+    Summary,
+    config_label,
+    find,
+    length_label,
+    params_label,
+    sampling_label,
+)
+from harness.reporting.paper import (
+    ABLATION,
+    DEFINITIONS,
+    MEAN,
+    REFERENCES,
+    SCALING,
+    Axes,
+    Reference,
+    paper_grid,
+    paper_truncation,
+    scaling_figures,
+    verdicts,
+)
 
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
 
-NOTES = """\
-tokens/step: tau (draft-then-verify) or alpha (pipeline: tokens per cycle); L'acc = alpha * L / largest stage.
-theoretical x: input schedule alpha*L/max(largest stage, Ls), output schedule alpha*L/(largest stage + Ls),
-EAGLE-3 tau*L/(Ls*m + L) (tokens/step excludes each sample's prefill token).
-modeled x: the same with measured stage / drafter / verification-head times (one device per stage).
-wall-clock x: decode tok/s over AR's, AR timed beside the method on the same prompts in the same run; a
-single-process pipeline runs its stages one after another, so this is below 1 by construction.
-(sim): acceptance replayed on the AR output from one teacher-forced pass (`--simulate`): exact at T=0, expected
-acceptance at T>0; no timings and no losslessness check of its own.
-lossless %: samples token-identical to greedy AR among those checked (T=0); T>0 is covered by distribution tests.
-"""
+NOTES = DEFINITIONS
 
 
 @dataclass
@@ -48,23 +58,11 @@ class Table:
 
 
 # --- cells -------------------------------------------------------------------------------------------------------
-def _params(params: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(params.items())) or "—"
+_params, _config = params_label, config_label
 
 
 def _num(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
-
-
-def _length(max_new_tokens: int) -> str:
-    """A label's length suffix: runs of another length than `run`'s default are other configurations."""
-    return "" if max_new_tokens in (0, RunConfig.max_new_tokens) else f" ({max_new_tokens} tokens)"
-
-
-def _config(s: Summary) -> str:
-    params = {k: v for k, v in s.params.items() if k != "width"}
-    name = (f"{s.method} {_params(params)}" if params else s.method) + _length(s.max_new_tokens)
-    return name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.executor == "distributed" else "")
 
 
 def _triple(s: Summary | None) -> str:
@@ -108,40 +106,48 @@ def main_tables(summaries: list[Summary]) -> list[Table]:
     return tables
 
 
+def _scaling_rows(summaries: list[Summary], block: Block, axes: Axes) -> tuple[list[str], list[list[str]]]:
+    rows_name, row_values = axes.rows
+    if axes.columns is None:
+        return ["", "all datasets"], [[f"{rows_name}={v}", _cell(summaries, block, axes.method, **axes.fixed,
+                                                                  **{rows_name: v})] for v in row_values]
+    name, values, title = axes.columns
+    return ["", *(f"{title}={c}" for c in values)], [
+        [f"{rows_name}={r}"] + [_cell(summaries, block, axes.method, **axes.fixed, **{rows_name: r, name: c})
+                                for c in values] for r in row_values]
+
+
 def scaling_tables(summaries: list[Summary]) -> list[Table]:
-    """SPD over n x Ls, EAGLE-3 over m, PPSD over n, per (T, width), on the paper's axes ("—": not run)."""
+    """The paper's scaling tables (reporting/paper.py), per (T, width), on the paper's axes ("—": not run)."""
     tables = []
     for block in _blocks(summaries):
-        spd = [[f"n={n}"] + [_cell(summaries, block, "spd", n=n, ls=ls, schedule="input") for ls in (1, 2, 3, 4)]
-               for n in (4, 8, 16)]
-        eagle = [[f"m={m}", _cell(summaries, block, "eagle3", m=m)] for m in (3, 7, 15)]
-        ppsd = [[f"n={n}", _cell(summaries, block, "ppsd", n=n)] for n in (4, 8, 16)]
-        for title, header, rows in (("SPD (input schedule) over n and Ls", ["", "Ls=1", "Ls=2", "Ls=3", "Ls=4"], spd),
-                                    ("EAGLE-3 over m", ["", "all datasets"], eagle),
-                                    ("PPSD over n", ["", "all datasets"], ppsd)):
+        for axes in SCALING:
+            header, rows = _scaling_rows(summaries, block, axes)
             if any(cell != "—" for row in rows for cell in row[1:]):
-                tables.append(Table(f"{title}, {block.title}", header, rows,
+                tables.append(Table(f"{axes.title}, {block.title}", header, rows,
                                     "cells: tokens/step · L'acc · theoretical speedup, pooled over datasets"))
     return tables
 
 
 def ablation_table(overall: list[Summary]) -> list[Table]:
-    """Input vs output schedule for pipeline configurations that have both."""
+    """The paper's ablation: configurations that have both of its parameter's values."""
+    spec = ABLATION
     pairs: dict[tuple, dict[str, Summary]] = {}
     for s in overall:
-        if s.pipeline is not None:
-            key = (s.method, s.params.get("n"), s.params.get("ls"), s.width, s.sampling, s.simulated,
+        if spec.parameter in s.params:
+            key = (s.method, *(s.params.get(p) for p in spec.label), s.width, s.sampling, s.simulated,
                    s.max_new_tokens)
-            pairs.setdefault(key, {})[s.pipeline["schedule"]] = s
-    rows = [[f"{m} n={n} ls={ls}" + _length(tokens) + (" (sim)" if sim else ""), str(w), t,
-             _num(p["input"].tokens_per_step), _num(p["output"].tokens_per_step),
-             _num(p["input"].theoretical_speedup), _num(p["output"].theoretical_speedup)]
-            for (m, n, ls, w, t, sim, tokens), p in sorted(pairs.items(), key=str) if len(p) == 2]
+            pairs.setdefault(key, {})[s.params[spec.parameter]] = s
+    first, second = spec.values
+    rows = [[f"{m} " + " ".join(f"{p}={v}" for p, v in zip(spec.label, values)) + length_label(tokens)
+             + (" (sim)" if sim else ""), str(w), t,
+             _num(p[first].tokens_per_step), _num(p[second].tokens_per_step),
+             _num(p[first].theoretical_speedup), _num(p[second].theoretical_speedup)]
+            for (m, *values, w, t, sim, tokens), p in sorted(pairs.items(), key=str) if len(p) == 2]
     if not rows:
         return []
-    return [Table("Schedule ablation: input vs output state",
-                  ["config", "width", "T", "alpha input", "alpha output", "theoretical x input", "theoretical x output"],
-                  rows)]
+    return [Table(spec.title, ["config", "width", "T", f"{spec.metric} {first}", f"{spec.metric} {second}",
+                               f"theoretical x {first}", f"theoretical x {second}"], rows)]
 
 
 def speedup_table(overall: list[Summary]) -> list[Table]:
@@ -157,18 +163,23 @@ def speedup_table(overall: list[Summary]) -> list[Table]:
                         "per sample (N counts the prefill token), averaged over samples, as in its published tables")]
 
 
+def position_axes(overall: list[Summary]) -> dict:
+    """Summaries with accepts per position, by their family's axis (PositionAxis), the axes in order of label."""
+    found: dict = {}
+    for s in overall:
+        axis = s.family.positions if s.family else None
+        if axis is not None and s.position_drafts:
+            found.setdefault(axis, []).append(s)
+    return {axis: found[axis] for axis in sorted(found, key=lambda a: a.label)}
+
+
 def acceptance_tables(overall: list[Summary]) -> list[Table]:
     tables = []
-    for kind, title, label in (("pipeline", "Draft acceptance by pipeline fill level (fill k: k + 1 tokens in flight)",
-                                "fill"),
-                               ("draft", "Acceptance by draft position (share of rounds that accepted position k)",
-                                "pos")):
-        shown = [s for s in overall if getattr(s, kind) and s.fill_drafts]
-        if shown:
-            size = max(len(s.fill_drafts) for s in shown)
-            rows = [[_config(s), str(s.width), s.sampling] + [_num(a) for a in s.fill_acceptance]
-                    + ["—"] * (size - len(s.fill_drafts)) for s in shown]
-            tables.append(Table(title, ["config", "width", "T"] + [f"{label} {k}" for k in range(size)], rows))
+    for axis, shown in position_axes(overall).items():
+        size = max(len(s.position_drafts) for s in shown)
+        rows = [[_config(s), str(s.width), s.sampling] + [_num(a) for a in s.position_acceptance]
+                + ["—"] * (size - len(s.position_drafts)) for s in shown]
+        tables.append(Table(axis.title, ["config", "width", "T"] + [f"{axis.label} {k}" for k in range(size)], rows))
     return tables
 
 
@@ -237,26 +248,19 @@ def claims_table(summaries: list[Summary]) -> list[Table]:
                   "about the paper's drafters")]
 
 
-BREAKDOWN = ("draft", "stages", "verify", "other", "cycle")
-
-
 def breakdown_table(overall: list[Summary]) -> list[Table]:
-    """Executed pipeline runs: where a cycle's wall time goes on the driver, beside the speedups."""
-    rows = []
-    for s in overall:
-        ms = s.cycle_breakdown
-        if ms is None:
-            continue
-        rows.append([_config(s), s.sampling, str(s.width), str(s.steps)]
-                    + [_num(ms[phase], 1) for phase in BREAKDOWN] + [_num(ms.get("slowest stage"), 1)]
-                    + [f"{_num(v)}x" for v in (s.theoretical_speedup, s.modeled_speedup, s.wall_clock_speedup)])
-    if not rows:
+    """Executed runs of families that time their steps' phases (Method.cycle_breakdown), beside the speedups."""
+    found = [(s, s.cycle_breakdown) for s in overall]
+    found = [(s, ms) for s, ms in found if ms is not None]
+    if not found:
         return []
-    return [Table("Cycle wall breakdown", ["config", "T", "width", "cycles", *(f"{p} ms" for p in BREAKDOWN),
-                                           "slowest stage ms", "theoretical", "modeled", "wall-clock"], rows,
-                  "ms per pipeline cycle on the driver: draft, stages (local: every stage in turn; distributed: control, "
-                  "transfers and the wait for the slowest rank), verification head, the rest (sampling, bookkeeping); "
-                  "slowest stage: the busiest rank's forward time per cycle (distributed only)")]
+    phases = list(found[0][1])
+    rows = [[_config(s), s.sampling, str(s.width), str(s.steps)] + [_num(ms.get(p), 1) for p in phases]
+            + [f"{_num(v)}x" for v in (s.theoretical_speedup, s.modeled_speedup, s.wall_clock_speedup)]
+            for s, ms in found]
+    return [Table("Cycle wall breakdown", ["config", "T", "width", "cycles", *(f"{p} ms" for p in phases),
+                                           "theoretical", "modeled", "wall-clock"], rows,
+                  found[0][0].family.breakdown_note)]
 
 
 def family_tables(overall: list[Summary]) -> list[Table]:
@@ -396,10 +400,11 @@ def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, rel
     from harness.reporting import figures
 
     overall = [s for s in summaries if s.dataset == OVERALL]
-    made = {
-        "Theoretical speedup vs n": figures.speedup_over_n(overall, folder / "speedup_over_n.png"),
-        "SPD over Ls": figures.spd_over_ls(overall, folder / "spd_over_ls.png"),
-        "Acceptance by fill level / draft position": figures.acceptance(overall, folder / "acceptance.png"),
+    axes = position_axes(overall)
+    made = {spec.title: figures.scaling(spec, overall, folder / spec.file) for spec in scaling_figures(overall)}
+    made |= {
+        f"Acceptance by {' / '.join(axis.name for axis in axes)}":
+            figures.acceptance(overall, folder / "acceptance.png", axes),
         "Tokens committed per round (draft-then-verify, T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
         "Speedups per executed configuration": figures.speedups(overall, folder / "speedups.png"),
         "Cycle wall breakdown": figures.cycle_breakdown(overall, folder / "cycle_breakdown.png"),

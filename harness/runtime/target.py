@@ -37,6 +37,19 @@ class _LinearCall:
     labels: list[int]
 
 
+def stage_bounds(num_layers: int, n: int) -> list[tuple[int, int]]:
+    """Contiguous near-even split: sizes differ by at most one, larger stages first."""
+    if not 1 <= n <= num_layers:
+        raise ValueError(f"n must be between 1 and the number of layers ({num_layers}), got {n}")
+    base, extra = divmod(num_layers, n)
+    bounds, lo = [], 0
+    for stage in range(n):
+        hi = lo + base + (stage < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 class StateCache:
     """Duck-typed HF cache handed to decoder layers: KV buffers by slot; for linear layers, the state after each
     recent token, filed under the token's slot.

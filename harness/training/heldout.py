@@ -72,8 +72,7 @@ def decoding_figures(spec, module, trajectories: Trajectories) -> dict:
                                   for t in trajectories.teachers]
     new_tokens, steps = sum(len(r.output_ids) for r in runs), sum(r.steps for r in runs)
     accepts = [sum(v) for v in zip(*(r.position_accepts for r in runs))]
-    drafts = [sum(v) for v in zip(*(r.stats["fill_drafts"] for r in runs))] if "fill_drafts" in runs[0].stats \
-        else [steps] * len(accepts)
+    drafts = [sum(v) for v in zip(*(r.stats.drafts(r.steps, len(r.position_accepts)) for r in runs))]
     return {
         f"accept_by_{spec.group_name}": [round(a / d, 4) if d else None for a, d in zip(accepts, drafts)],
         f"drafts_by_{spec.group_name}": drafts,

@@ -45,10 +45,8 @@ class TrainConfig:
     warmup: float = 0.05  # fraction of steps
     clip: float = 1.0
     draft_vocab: int = 8192  # 0: the full vocabulary
-    partial_fill: float = 0.5  # share of sequences that simulate a flushed pipeline
     corpus: str = "sharegpt"  # ShareGPT replies as written, or "self": the target's greedy replies (regenerate.py)
     reply_tokens: int = 256  # longest regenerated reply
-    init: str = "target"  # pipeline drafter layers start as the target's last layers, or as identity (methods/pipeline/objective.py)
     autocast: bool = True  # forward/backward on a bf16 copy under autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
     val_chunks: int = 8
@@ -133,7 +131,7 @@ class DrafterTrainer:
         self.spec, self.config = spec, config
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
         # fp32 master weights: what the optimiser updates, the checkpoint holds and validation runs
-        self.module = spec.initialise(spec.build(target, draft_ids), target, config.init).float().train()
+        self.module = spec.initialise(spec.build(target, draft_ids), target).float().train()
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         # Under autocast the forward and backward run on a bf16 copy, so activations stay bf16 from layer to layer:
@@ -157,7 +155,7 @@ class DrafterTrainer:
     def train_step(self, features: dict, ids: torch.Tensor, p_draft: torch.Tensor, mask: torch.Tensor,
                    rng: random.Random) -> dict:
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
-            predictions = self.spec.predictions(self.work, features, ids, rng, self.config.partial_fill)
+            predictions = self.spec.predictions(self.work, features, ids, rng)
         loss = sum(pred.weight * _cross_entropy(pred, p_draft, mask) for pred in predictions)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -228,7 +226,7 @@ def _cross_entropy(pred, p_draft: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict], probs: list[torch.Tensor],
              draft_ids, trajectories: Trajectories | None = None) -> dict:
-    """Top-1 agreement with the target per group (pipeline fill level or TTT step) and the first prediction's KL on
+    """Top-1 agreement with the target per group (the drafter kind's `group_name`) and the first prediction's KL on
     corpus text; with `trajectories`, also the replayed decoding's acceptance on them (harness/training/heldout.py)."""
     spec, groups = trainer.spec, trainer.spec.groups
     hits, totals, kl_sum, kl_count = torch.zeros(groups), torch.zeros(groups), 0.0, 0
@@ -238,7 +236,7 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
         for chunk, feats, p in zip(chunks, features, probs):
             ids, mask = chunk.ids[None].to(p.device), chunk.loss_mask[None].to(p.device)
             p_draft = p[None] if draft_ids is None else p[None][..., draft_ids.to(p.device)]
-            for index, pred in enumerate(spec.predictions(trainer.module, feats, ids, rng, partial_fill=1.0)):
+            for index, pred in enumerate(spec.predictions(trainer.module, feats, ids, rng, validating=True)):
                 target, rows = _aligned(pred, p[None], mask)
                 agree = (trainer.module.full_vocab(pred.logits).argmax(-1) == target.argmax(-1)) & rows
                 labels = torch.as_tensor(pred.groups, device=rows.device).expand_as(rows)

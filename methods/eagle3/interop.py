@@ -20,7 +20,7 @@ from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.foreign import check_weights, integer, integers, load_weights_only, save_imported, umask
 from harness.runtime.paths import check_out_path
 from harness.runtime.target import TargetRuntime
-from methods.eagle3.head import EagleConfig, EagleHead, default_feature_layers, head_tag, target_shape
+from methods.eagle3.head import EagleConfig, EagleHead, default_feature_layers, head_tag, target_shape, train_command
 
 EAGLE3_RENAMES = (("fc.", "fuse."), ("midlayer.", "midlayer."), ("norm.", "norm."), ("lm_head.", "head."))
 EAGLE3_IGNORED = ("t2d", "embed_tokens.weight")  # t2d follows from d2t; the embedding is always the target's
@@ -152,6 +152,23 @@ def check_export_target(out: Path, replace: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not replace:
         raise HarnessError(f"--out {out} is not empty; pass an empty or new folder, or --replace to overwrite its "
                            f"{' and '.join(EAGLE3_FILES)}")
+
+
+def import_folder(folder: Path, target: TargetRuntime, params, force: bool) -> Path:
+    """`spd-bench import --eagle3 DIR`: the folder filed under the head tag of `params.ttt`."""
+    return import_eagle3(folder, target, ttt=params.ttt, force=force)
+
+
+def export_head(model: str, params, checkpoint: str | None, out: Path, replace: bool) -> Path:
+    """`spd-bench export-head`: the trained eagle3-layout head of `params.ttt` for `model` (or `checkpoint`)."""
+    from transformers import AutoConfig
+
+    from harness.runtime.models import load_identity, resolve_model_dir
+
+    folder, _ = checkpoints.locate(load_identity(model), "eagle3", head_tag(params.ttt, "eagle3"),
+                                   train_command(params.ttt, "eagle3"), checkpoint)
+    text = AutoConfig.from_pretrained(resolve_model_dir(model)[1]).get_text_config()
+    return export_eagle3(folder, out, text, replace)
 
 
 def export_eagle3(checkpoint: Path, out: Path, text_config, replace: bool = False) -> Path:

@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from harness.runtime.target import TargetRuntime
-from methods.base import Generation, Method, Timer, param, register
-from methods.eagle3.head import LAYOUTS, EagleHead, HeadSession, head_tag, load_head, train_command
-from methods.eagle3.interop import import_eagle3, is_eagle3_folder
+from methods.base import Generation, HeadExport, ImportFormat, Method, Timer, param, register
+from methods.eagle3.head import LAYOUTS, EagleConfig, EagleHead, HeadSession, head_tag, load_head, train_command
+from methods.eagle3.interop import check_export_target, export_head, import_eagle3, import_folder, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
-from methods.rounds import Node, Rounds, rounds_on_trajectory, target_prefill, verify_round
+from methods.rounds import DRAFT_POSITIONS, DraftShape, Node, Rounds, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
+from methods.stats import Stats, same
 from methods.teacher import Teacher
 
 
@@ -25,8 +26,8 @@ class EagleParams:
     m: int = param(7, "Draft depth per round.")
     width: int = param(1, "1: a chain; W: the W best branches per depth by cumulative draft log-probability.")
     ttt: int = param(7, "Which trained head: the training-time-test depth it was trained with.")
-    layout: str = param("harness", "Which kind of head: the harness's own layer or the EAGLE-3 authors' (eagle3).",
-                        recorded_when_set=True)
+    layout: str = param("harness", "Which kind of head: the harness's own layer or the EAGLE-3 authors' (eagle3, "
+                                   "exportable with export-head).", recorded_when_set=True, flags=("--eagle-layout",))
 
     def __post_init__(self):
         if min(self.m, self.width, self.ttt) < 1:
@@ -39,10 +40,23 @@ class EagleParams:
         return head_tag(self.ttt, self.layout)
 
 
+@dataclass
+class EagleStats(Stats):
+    candidates: int | None = None  # draft tokens offered to the verifier
+    draft: DraftShape | None = same()
+
+
 @register
 class EAGLE3(Method):
     name = "eagle3"
     Params = EagleParams
+    Stats = EagleStats
+    positions = DRAFT_POSITIONS
+    training_params = ("ttt", "layout")
+    imports = {"eagle3": ImportFormat("An EAGLE-3 head folder (config.json + model.safetensors or pytorch_model.bin).",
+                                      import_folder, ("ttt",))}
+    head_export = HeadExport("An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format "
+                             "(SGLang, the EAGLE code).", check_export_target, export_head, ("ttt",))
     trainable = True
 
     @classmethod
@@ -59,10 +73,18 @@ class EAGLE3(Method):
     @classmethod
     def theoretical_speedup(cls, summary) -> float | None:
         """tau * L / (Ls * m + L): a round drafts m tokens through the head's Ls layers, then one target forward."""
-        shape = summary.draft
+        shape = summary.stats.draft
         if shape is None or summary.tokens_per_step is None:
             return None
-        return summary.tokens_per_step * shape["num_layers"] / (shape["ls"] * shape["m"] + shape["num_layers"])
+        return summary.tokens_per_step * shape.num_layers / (shape.ls * shape.m + shape.num_layers)
+
+    @classmethod
+    def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
+        found = []
+        for width in (1, 4):
+            head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
+            found.append((f"eagle3 m=3 w={width}", cls(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)))
+        return found
 
     @classmethod
     def import_checkpoint(cls, path: Path, loaded, params: EagleParams) -> tuple[Path, dict] | None:
@@ -102,7 +124,10 @@ class EAGLE3(Method):
         if self.params.width == 1:
             teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
             accepts = chain_accepts(self.head, teacher, self.params.m)
-            return replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids, self._shape())
+            generation = replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids)
+            generation.stats = EagleStats(generation.stats.expected_accepts, draft=self._shape(),
+                                          candidates=self.params.m * generation.steps)
+            return generation
         return rounds_on_trajectory(
             lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
                                                               verify),
@@ -127,10 +152,10 @@ class EAGLE3(Method):
                 with timer("drafter"):
                     features = {layer: h[:, : len(new)] for layer, h in features.items()}
                     head.append(new, features, start=base + 1)
-        return rounds.generation(timer.totals, {"candidates": candidates, "draft": self._shape()})
+        return rounds.generation(timer.totals, EagleStats(candidates=candidates, draft=self._shape()))
 
-    def _shape(self) -> dict:
-        return {"num_layers": self.target.num_layers, "ls": 1, "m": self.params.m, "width": self.params.width}
+    def _shape(self) -> DraftShape:
+        return DraftShape(self.target.num_layers, 1, self.params.m, self.params.width)
 
     # --- drafting -------------------------------------------------------------------------------------------------
     def _draft(self, head: HeadSession, base: int, sampler: Sampler) -> list[Node]:

@@ -45,13 +45,13 @@ class EagleSpec:
                              draft_vocab_size=None if draft_ids is None else len(draft_ids), layout=self.layout)
         return EagleHead(config, target, draft_ids)
 
-    def initialise(self, module: EagleHead, target, init: str) -> EagleHead:
+    def initialise(self, module: EagleHead, target) -> EagleHead:
         """The head's one layer reads [embedding, fused feature] (2H wide), unlike any target layer: it always starts
         with its residual branches at zero."""
         return module.start_as_identity()
 
     def predictions(self, module: EagleHead, features: dict, ids: torch.Tensor, rng: random.Random,
-                    partial_fill: float) -> list[Prediction]:
+                    validating: bool = False) -> list[Prediction]:
         size = ids.shape[1]
         steps = ttt_logits(module, features, ids, min(self.ttt, size - 1))
         return [Prediction(logits[:, : size - k], k, TTT_DECAY ** (k - 1), k - 1)
@@ -59,4 +59,4 @@ class EagleSpec:
 
     def replay(self, module: EagleHead, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
         """Chain rounds of `ttt` drafts on a trajectory (the exact `--simulate` replay)."""
-        return replay_rounds(chain_accepts(module, teacher, self.ttt), teacher, self.ttt, max_new_tokens, stop_ids, {})
+        return replay_rounds(chain_accepts(module, teacher, self.ttt), teacher, self.ttt, max_new_tokens, stop_ids)

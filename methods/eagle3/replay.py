@@ -12,6 +12,7 @@ import torch
 from methods.base import Generation
 from methods.eagle3.head import EagleHead, ttt_logits
 from methods.rounds import Rounds
+from methods.stats import Stats
 from methods.teacher import Teacher
 
 
@@ -29,8 +30,8 @@ def chain_accepts(head: EagleHead, teacher: Teacher, m: int) -> torch.Tensor:
     return accepts
 
 
-def replay_rounds(accepts: torch.Tensor, teacher: Teacher, m: int, max_new_tokens: int, stop_ids: set[int],
-                  shape: dict) -> Generation:
+def replay_rounds(accepts: torch.Tensor, teacher: Teacher, m: int, max_new_tokens: int, stop_ids: set[int]
+                  ) -> Generation:
     """EAGLE-3's chain rounds on the trajectory: leading accepted drafts plus one bonus token per round."""
     start, size = teacher.prompt_len, teacher.length
     rounds = Rounds([teacher.token(start)], m, max_new_tokens, stop_ids)
@@ -43,8 +44,7 @@ def replay_rounds(accepts: torch.Tensor, teacher: Teacher, m: int, max_new_token
         while count < m and base + count + 1 < size and teacher.accepts(float(accepts[base, count])):
             count += 1
         rounds.commit(teacher.ids[base + 1: base + count + 2].tolist(), count)
-    return rounds.generation({}, {"candidates": m * len(rounds.accepted), "expected_accepts": expected,
-                                  "draft": shape})
+    return rounds.generation({}, Stats(expected_accepts=expected))
 
 
 def _expected_length(probabilities: torch.Tensor) -> float:

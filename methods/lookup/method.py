@@ -15,8 +15,9 @@ from functools import partial
 import torch
 
 from methods.base import Generation, Method, Timer, param, register
-from methods.rounds import Rounds, chain, rounds_on_trajectory, target_prefill, verify_round
+from methods.rounds import DRAFT_POSITIONS, Rounds, chain, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
+from methods.stats import Stats
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,18 @@ def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[in
     return []
 
 
+@dataclass
+class LookupStats(Stats):
+    matched_rounds: int | None = None  # rounds whose suffix was found earlier
+    candidates: int | None = None  # draft tokens offered to the verifier
+
+
 @register
 class PromptLookup(Method):
     name = "lookup"
     Params = LookupParams
+    Stats = LookupStats
+    positions = DRAFT_POSITIONS
 
     figures_note = ("matched: share of rounds whose suffix was found earlier (the others verify no drafts); "
                     "tokens/forward: tokens committed per target forward; wall-clock: decode tokens/s over AR's, "
@@ -54,9 +63,13 @@ class PromptLookup(Method):
     @classmethod
     def figures(cls, summary) -> dict[str, float | None]:
         steps = summary.steps
-        matched = summary.counts.get("matched_rounds", 0) / steps if steps else None
+        matched = (summary.stats.matched_rounds or 0) / steps if steps else None
         return {"matched": matched, "tokens/forward": summary.tokens_per_step,
                 "wall-clock x": summary.wall_clock_speedup}
+
+    @classmethod
+    def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
+        return [("lookup k=10", cls(target, LookupParams(), set()))]
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
@@ -91,4 +104,4 @@ class PromptLookup(Method):
                 rounds.commit_path(nodes, path, bonus)
                 matched += bool(drafts)
                 candidates += len(drafts)
-        return rounds.generation(timer.totals, {"matched_rounds": matched, "candidates": candidates})
+        return rounds.generation(timer.totals, LookupStats(matched_rounds=matched, candidates=candidates))

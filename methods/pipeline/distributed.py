@@ -25,6 +25,7 @@ from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.pipeline.executor import StageExecutor
 from methods.pipeline.tree import Level, Token, is_chain
+from methods.stats import Executor
 
 RESET, PREFILL, ADVANCE, TRUNCATE, MOVE, STATS = range(1, 7)  # after STOP (0), the runtime's
 HEADER = 4  # control vector: [op, a, b, c] then per-stage token counts and positions (ADVANCE)
@@ -130,13 +131,13 @@ class DistributedExecutor(StageExecutor):
             self.channel.control(MOVE, chosen.slot, chosen.position)
             chosen.slot = chosen.position
 
-    def report(self) -> dict:
+    def report(self) -> Executor:
         """Executor, world size, devices and each stage's forward seconds in this generation's pipeline steps."""
         self.channel.control(STATS)
         seconds = [torch.zeros(1, dtype=torch.float64, device=self.group.wire) for _ in range(self.n)]
         self.channel.exchange([], [(stage + 1, t) for stage, t in enumerate(seconds)])
-        return {"kind": "distributed", "backend": self.group.backend, "world_size": self.group.world_size,
-                "devices": self.group.devices, "stage_forward_s": [round(float(t), 6) for t in seconds]}
+        return Executor("distributed", self.group.backend, self.group.world_size, self.group.devices,
+                        [round(float(t), 6) for t in seconds])
 
     def close(self) -> None:
         self.channel.control(STOP)

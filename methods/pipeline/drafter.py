@@ -44,3 +44,21 @@ class Drafter:
             self.final = finished[-1].position + 1
         leaves = len(levels[-1]) if levels else 1
         return spec.full_vocab(spec.head_logits(out[:, -leaves:]))[0]
+
+
+def oracle_drafter(reference: dict[int, int], hit_rate: float) -> type[Drafter]:
+    """A drafter that proposes the reference token of a position with probability `hit_rate`, else its own pick (self-
+    checks and tests on random drafters reach the accept paths with it)."""
+    rng = torch.Generator().manual_seed(0)
+
+    class Oracle(Drafter):
+        def logits(self, finished, levels):
+            out = super().logits(finished, levels).clone()
+            for i, leaf in enumerate(levels[-1] if levels else finished[-1:]):
+                token = reference.get(leaf.position + 1)
+                if token is not None and float(torch.rand((), generator=rng)) < hit_rate:
+                    out[i] = -1e4
+                    out[i, token] = 1e4
+            return out
+
+    return Oracle

@@ -17,6 +17,7 @@ import torch
 
 from harness.runtime.target import TargetRuntime
 from methods.pipeline.tree import Level, Token, is_chain, tree_mask
+from methods.stats import Executor
 
 
 @dataclass
@@ -95,9 +96,9 @@ class StageExecutor(ABC):
             token.features.update({layer: h[:, b: b + 1] for layer, h in captured.items()})
             token.depth += 1
 
-    def report(self) -> dict:
+    def report(self) -> Executor:
         """What the record says about the executor (the distributed one adds its ranks and their stage times)."""
-        return {"kind": "local"}
+        return Executor()
 
     def close(self) -> None:
         """After the last generation (the distributed executor stops its ranks)."""

@@ -5,6 +5,7 @@ n * sum N / sum S, token-weighted mean theoretical gain, pooled flags and tokens
 from __future__ import annotations
 
 from methods.base import ExportFormat
+from methods.pipeline.stats import PipelineStats, stage_seconds
 
 
 def _ratio(a: float, b: float) -> float:
@@ -22,13 +23,13 @@ def reference_sample(row: dict, index: int, question: str | None) -> dict:
     = (n N / S - 1) * 100; its acceptance flags count the prefill token as one accepted flag. The "ideal" times are
     the decode with the stages' compute run in parallel (one process: the stage seconds shrink to the largest
     stage's share; distributed: they already ran in parallel, nothing is saved)."""
-    shape, stats, timing = row["stats"]["pipeline"], row["stats"], row.get("timing") or {}
-    n, steps, tokens = shape["n"], row["steps"], row["new_tokens"]
+    stats, timing = PipelineStats.read(row["stats"]), row.get("timing") or {}
+    shape, steps, tokens = stats.pipeline, row["steps"], row["new_tokens"]
+    n = shape.n
     pipe_time = max(steps, 1) / n
-    executor = stats.get("executor") or {}
-    distributed = executor.get("kind") == "distributed"
-    stage_s = sum(executor.get("stage_forward_s", [])) if distributed else timing.get("stages", 0.0)
-    saved = 0.0 if distributed else stage_s * (1 - shape["largest_stage"] / shape["num_layers"])
+    distributed = stats.executor_kind == "distributed"
+    stage_s = stage_seconds(stats, timing)
+    saved = 0.0 if distributed else stage_s * (1 - shape.largest_stage / shape.num_layers)
     decode = timing.get("decode", 0.0)
     ideal = decode - saved
     baseline = row.get("baseline") or {}
@@ -45,7 +46,7 @@ def reference_sample(row: dict, index: int, question: str | None) -> dict:
         "acceptance_rate": _ratio(tokens, steps),
         "equivalent_accept_length": n * _ratio(tokens, steps),
         "n_accepted": sum(row["position_accepts"]) + 1,  # the prefill token is an accepted flag there
-        "n_acceptance_flags": sum(stats.get("fill_drafts", [])) + 1,
+        "n_acceptance_flags": sum(stats.fill_drafts) + 1,
         "theoretical_std_time_sec": float(tokens),
         "theoretical_pipe_time_sec": pipe_time if tokens else 0.0,
         "theoretical_std_tok_s": 1.0 if tokens else 0.0,
@@ -54,7 +55,7 @@ def reference_sample(row: dict, index: int, question: str | None) -> dict:
         "wall_time_sec": _wall(row),
         "num_stages": n,
         "use_deepest": True,  # finished tokens draft from their deepest features, as the reference's v11 heads
-        "draft_top_k": shape["width"],
+        "draft_top_k": shape.width,
         "pipeline_prefill_wall_sec": timing.get("prefill", 0.0),
         "pipeline_decode_wall_sec": decode,
         "pipeline_decode_tok_s": _ratio(tokens, decode),
@@ -66,7 +67,7 @@ def reference_sample(row: dict, index: int, question: str | None) -> dict:
         "temperature": row["temperature"],
         "top_k": row.get("top_k", 0),
         "top_p": row.get("top_p", 1.0),
-        "theoretical_pipeline_parallel_factor": shape["num_layers"] / shape["largest_stage"],
+        "theoretical_pipeline_parallel_factor": shape.num_layers / shape.largest_stage,
         "prompt_len": row.get("prompt_tokens"),
         "lossless": row["lossless"],
     }

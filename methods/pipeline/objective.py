@@ -33,6 +33,9 @@ def fill_levels(starts: torch.Tensor, n: int) -> torch.Tensor:
     return torch.clamp(torch.arange(starts.shape[-1], device=starts.device) - starts, max=n - 1)
 
 
+INITS = ("target", "identity")
+
+
 @dataclass
 class PipelineSpec:
     """An SPD or PPSD drafter: n stages, Ls layers, a schedule and a feature policy."""
@@ -43,6 +46,8 @@ class PipelineSpec:
     schedule: str
     policy: str
     aggr_bounds: tuple[int, ...] = ()  # shared projections (the reference's aggregation); empty: one per depth
+    init: str = "target"  # the layers start as the target's last Ls layers, or as identity (see initialise)
+    partial_fill: float = 0.5  # share of training sequences that simulate a pipeline refilling
     group_name = "fill"
     config_name = "speculator"
 
@@ -59,6 +64,8 @@ class PipelineSpec:
         return self.n
 
     def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
         SpeculatorConfig(n=self.n, ls=self.ls, schedule=self.schedule, policy=self.policy,
                          aggr_bounds=self.aggr_bounds)  # a bad shape fails here, as the train command's usage error
 
@@ -69,14 +76,16 @@ class PipelineSpec:
                                   draft_vocab_size=None if draft_ids is None else len(draft_ids))
         return Speculator(config, target, draft_ids)
 
-    def initialise(self, module: Speculator, target, init: str) -> Speculator:
+    def initialise(self, module: Speculator, target) -> Speculator:
         """`identity`: residual branches at zero (the deepest feature passes to the head); `target`: the layers start
         as copies of the target's last Ls layers (measured better on the embedded model, README)."""
-        return module.start_from_target(target) if init == "target" else module.start_as_identity()
+        return module.start_from_target(target) if self.init == "target" else module.start_as_identity()
 
     def predictions(self, module: Speculator, features: dict, ids: torch.Tensor, rng: random.Random,
-                    partial_fill: float) -> list[Prediction]:
-        """Half the sequences (by `partial_fill`) simulate a pipeline refilling after prefill or a flush."""
+                    validating: bool = False) -> list[Prediction]:
+        """Half the sequences (by `partial_fill`) simulate a pipeline refilling after prefill or a flush; validation
+        takes them all that way, so every fill level is measured."""
+        partial_fill = 1.0 if validating else self.partial_fill
         size = ids.shape[1]
         starts = torch.stack([segment_starts(size, self.n, rng.random() < partial_fill, rng)
                               for _ in range(ids.shape[0])]).to(ids.device)
@@ -85,4 +94,4 @@ class PipelineSpec:
     def replay(self, module: Speculator, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
         """Decoding's cycles on a trajectory (the exact `--simulate` replay)."""
         return replay_cycles(fill_state_accepts(module, teacher), teacher, self.n, self.schedule, max_new_tokens,
-                             stop_ids, {})
+                             stop_ids, None)

@@ -12,7 +12,7 @@ On a correct implementation all three agree on every state; a disagreement names
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -120,6 +120,29 @@ class Parity:
             mine.add(theirs)
         self.mismatches += other.mismatches[: max(0, 20 - len(self.mismatches))]
         self.lossless &= other.lossless
+
+    def record(self) -> dict:
+        return {"fills": [asdict(f) for f in self.fills], "mismatches": self.mismatches, "lossless": self.lossless}
+
+    def table(self) -> str:
+        """One line per fill level: decoding's states and hits beside the training layout's on the same states."""
+        from tabulate import tabulate
+
+        rows = [(fill, f.states, f.disagree, f.ties, _rate(f.decode_hits, f.states), _rate(f.train_hits, f.states),
+                 "|", f.all_states, _rate(f.all_train_hits, f.all_states), f.replay_disagree)
+                for fill, f in enumerate(self.fills)]
+        lines = [tabulate(rows, headers=["fill", "states", "disagree", "ties", "decode_acc", "train_acc", "|",
+                                         "all_states", "train_acc_all", "replay_disagree"], disable_numparse=True)]
+        for m in self.mismatches[:10]:
+            lines.append(f"mismatch at position {m['position']} fill {m['fill']}: decode {m['decode']} train "
+                         f"{m['train']} (decode margin {m['margin']})")
+        if not self.lossless:
+            lines.append("the engine's output differs from greedy AR: the comparison covers its own trajectory only")
+        return "\n".join(lines)
+
+
+def _rate(hits: int, total: int) -> str:
+    return f"{hits / total:.3f}" if total else "—"
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ from methods.pipeline.spd import SPD, PipelineParams
 @dataclass(frozen=True)
 class PPSDParams(PipelineParams):
     ls: int = param(1, "Drafter decoder layers.")
-    schedule: str = param("output", "PPSD drafts after each step (output).")
+    schedule: str = param("output", "PPSD drafts after each step (output).", choices=("output",))
 
     def __post_init__(self):
         if self.schedule != "output":
@@ -24,6 +24,11 @@ class PPSD(SPD):
     name = "ppsd"
     Params = PPSDParams
     policy = "first_stage"
+    imports = {}  # the reference's heads draft from multi-depth features (SPD's)
+
+    @classmethod
+    def selfcheck_distributed(cls, target, scratch):
+        return None  # the stage ranks serve SPD's engine alike: its check covers them
 
     @classmethod
     def train_schedules(cls, schedules: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ from harness.runtime.target import StateCache
 from methods.base import Generation
 from methods.pipeline.scheduler import PipelineEngine
 from methods.pipeline.speculator import Speculator
+from methods.pipeline.stats import PipelineShape, PipelineStats
 from methods.pipeline.teacher_executor import TeacherForcedExecutor, linear_layers
 from methods.sampling import Sampler
 from methods.teacher import Teacher
@@ -41,8 +42,8 @@ def simulate(engine: PipelineEngine, prompt_ids: list[int], trajectory: list[int
     replay = PipelineEngine(engine.target, engine.speculator, engine.stop_ids, engine.width, engine.drafter_class,
                             executor=TeacherForcedExecutor(engine, teacher), post_norm_prompt=engine.post_norm_prompt)
     generation = replay.generate(prompt_ids, max_new_tokens, sampler)
-    generation.stats["expected_accepts"] = float(sum(generation.position_accepts))  # the realised ones, see above
-    del generation.stats["stage_runs"]  # cycles before a certain flush draft placeholders
+    generation.stats.expected_accepts = float(sum(generation.position_accepts))  # the realised ones, see above
+    generation.stats.stage_runs = None  # cycles before a certain flush draft placeholders
     return generation
 
 
@@ -110,7 +111,7 @@ def _store(accepts, speculator, teacher, queries: list[int], fills: list[int], s
 
 
 def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str, max_new_tokens: int,
-                  stop_ids: set[int], shape: dict) -> Generation:
+                  stop_ids: set[int], shape: PipelineShape | None) -> Generation:
     """The engine's cycles (see methods/pipeline/scheduler.py) on the trajectory: fill, verify, accept or flush."""
     start = teacher.prompt_len
     output = [teacher.token(start)]
@@ -150,6 +151,6 @@ def replay_cycles(accepts: torch.Tensor, teacher: Teacher, n: int, schedule: str
         steps=len(accepted),
         accepted=accepted,
         position_accepts=fill_accepts,
-        stats={"fill_drafts": fill_drafts, "stage_runs": stage_runs, "drafter_calls": len(accepted),
-               "verifications": sum(fill_drafts), "expected_accepts": expected, "pipeline": shape},
+        stats=PipelineStats(expected, fill_drafts=fill_drafts, stage_runs=stage_runs, drafter_calls=len(accepted),
+                            verifications=sum(fill_drafts), pipeline=shape),
     )

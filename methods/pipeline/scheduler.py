@@ -23,6 +23,7 @@ from methods.base import Generation, Timer
 from methods.pipeline.drafter import Drafter
 from methods.pipeline.executor import LocalExecutor, StageExecutor
 from methods.pipeline.speculator import Speculator
+from methods.pipeline.stats import PipelineShape, PipelineStats
 from methods.pipeline.tree import Level, Token, fill_level, keep_subtree, prune_dead_branches
 from methods.sampling import Sampler
 from methods.verify import accept_or_resample, verify_siblings
@@ -82,14 +83,9 @@ class PipelineEngine:
             accepted=run.accepted,
             position_accepts=run.fill_accepts,
             timing=timer.totals,
-            stats={
-                "fill_drafts": run.fill_drafts,
-                "stage_runs": run.stage_runs,
-                "drafter_calls": run.drafter_calls,
-                "verifications": sum(run.fill_drafts),
-                "pipeline": self.shape(),
-                "executor": self.executor.report(),
-            },
+            stats=PipelineStats(fill_drafts=run.fill_drafts, stage_runs=run.stage_runs, drafter_calls=run.drafter_calls,
+                                verifications=sum(run.fill_drafts), pipeline=self.shape(),
+                                executor=self.executor.report()),
         )
 
     def _cycle(self, run: _Run, drafter: Drafter, sampler: Sampler, timer: Timer) -> None:
@@ -184,11 +180,11 @@ class PipelineEngine:
         return self._new_tokens(position, [token for _, token, _ in children],
                                 [parents[row] for row, _, _ in children], [score for _, _, score in children], fill)
 
-    def shape(self) -> dict:
+    def shape(self) -> PipelineShape:
         """What the speedup formulas need: layer count, stage sizes, drafter depth, schedule and width."""
         sizes = [hi - lo for lo, hi in self.bounds]
-        return {"num_layers": self.target.num_layers, "n": self.config.n, "largest_stage": max(sizes),
-                "ls": self.config.ls, "schedule": self.config.schedule, "width": self.width}
+        return PipelineShape(self.target.num_layers, self.config.n, max(sizes), self.config.ls, self.config.schedule,
+                             self.width)
 
     def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
         """The finished token's target distribution tests the drafts after it: (accepted draft or None, token)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import fields as fields_of
 from pathlib import Path
 
 import torch
@@ -10,11 +11,13 @@ import torch
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
-from methods.base import Generation, Method, param, register
+from methods.base import Generation, ImportFormat, Method, param, register
+from methods.pipeline.drafter import oracle_drafter
 from methods.pipeline.export import REFERENCE
 from methods.pipeline.replay import simulate
 from methods.pipeline.scheduler import PipelineEngine
 from methods.pipeline.speculator import SCHEDULES, Speculator, SpeculatorConfig, drafter_tag
+from methods.pipeline.stats import FILL_LEVELS, PipelineStats, stage_seconds
 from methods.sampling import Sampler
 
 PREFILL_FEATURES = ("pre-norm", "reference")
@@ -24,7 +27,8 @@ PREFILL_FEATURES = ("pre-norm", "reference")
 class PipelineParams:
     n: int = param(8, "Pipeline stages: the target's layers in n near-even stages, n tokens in flight.")
     ls: int = param(4, "Drafter decoder layers.")
-    schedule: str = param("input", "The drafter reads the features before each step (input) or after it (output).")
+    schedule: str = param("input", "The drafter reads the features before each step (input) or after it (output).",
+                          choices=SCHEDULES)
     width: int = param(1, "Draft width: candidates per drafted position (1: a chain).")
     # "reference": as the reference code's single-process prefill reads HF's hidden_states[L] (its decoding and
     # training use pre-norm)
@@ -61,13 +65,29 @@ def load_speculator(target, method: str, policy: str, params: PipelineParams, ch
     return speculator.eval()
 
 
+def _import_v11(path: Path, target: TargetRuntime, params: PipelineParams, force: bool) -> Path:
+    from methods.pipeline.interop import import_spd
+
+    return import_spd(path, target, force=force)
+
+
 @register
 class SPD(Method):
     name = "spd"
     Params = PipelineParams
+    Stats = PipelineStats
+    positions = FILL_LEVELS
     policy = "multi_depth"
     trainable = True
+    training_params = ("n", "ls", "schedule")
+    training_options = {"aggr_bounds": (int, "Hidden-state indices 0 < b1 < ... whose cumulative "
+                                              "features the projections read, shared between depths as in the "
+                                              "reference (default: one projection per depth)."),
+                        "init": (str, "The drafter's layers start as copies of the target's last layers (target, the "
+                                      "default) or as identity (residual branches zero).")}
     exports = {"reference": REFERENCE}
+    imports = {"spd": ImportFormat("A reference speculation head (v11 .pt, e.g. Qwen3.5-4B_s8_l4.pt).", _import_v11)}
+    serves = "one rank per pipeline stage"
 
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:
@@ -78,8 +98,12 @@ class SPD(Method):
         default = cls.Params()
         schedules = cls.train_schedules(values.get("schedule") or [default.schedule])
         bounds = tuple(values.get("aggr_bounds") or ())
-        return [PipelineSpec(cls.name, n, ls, schedule, cls.policy, bounds) for n in values.get("n") or [default.n]
-                for ls in values.get("ls") or [default.ls] for schedule in schedules]
+        inits = values.get("init") or ["target"]
+        if len(inits) > 1:
+            raise ValueError(f"--init takes one value, got {','.join(inits)}")
+        return [PipelineSpec(cls.name, n, ls, schedule, cls.policy, bounds, inits[0])
+                for n in values.get("n") or [default.n] for ls in values.get("ls") or [default.ls]
+                for schedule in schedules]
 
     @classmethod
     def train_schedules(cls, schedules: list[str]) -> list[str]:
@@ -95,26 +119,62 @@ class SPD(Method):
     def theoretical_speedup(cls, summary) -> float | None:
         """alpha * L / cycle: the input schedule drafts during the step (cycle max(largest stage, Ls) layers), the
         output schedule and PPSD after it (largest stage + Ls)."""
-        shape = summary.pipeline
+        shape = summary.stats.pipeline
         if shape is None or summary.tokens_per_step is None:
             return None
-        largest, ls = shape["largest_stage"], shape["ls"]
-        cycle = max(largest, ls) if shape["schedule"] == "input" else largest + ls
-        return summary.tokens_per_step * shape["num_layers"] / cycle
+        cycle = max(shape.largest_stage, shape.ls) if shape.schedule == "input" else shape.largest_stage + shape.ls
+        return summary.tokens_per_step * shape.num_layers / cycle
 
     @classmethod
     def modeled_speedup(cls, summary) -> float | None:
         """The same with measured times: one device per stage plus one for the drafter and verification head."""
-        counts, shape = summary.counts, summary.pipeline
-        if (shape is None or not counts["stage_runs"] or not counts["drafter_calls"] or not counts["verifications"]
-                or not summary.stage_seconds):  # simulated runs have no timings
+        stats, shape = summary.stats, summary.stats.pipeline
+        stage_s = stage_seconds(stats, summary.timing)
+        if (shape is None or not stats.stage_runs or not stats.drafter_calls or not stats.verifications
+                or not stage_s):  # simulated runs have no timings
             return None
-        per_layer = summary.stage_seconds / (counts["stage_runs"] * shape["num_layers"] / shape["n"])
-        drafter = summary.timing["drafter"] / counts["drafter_calls"]
-        head = summary.timing["verify_head"] / counts["verifications"]
-        stage = shape["largest_stage"] * per_layer
-        cycle = (max(stage, drafter) if shape["schedule"] == "input" else stage + drafter) + head
-        return summary.tokens_per_step * (shape["num_layers"] * per_layer + head) / cycle
+        per_layer = stage_s / (stats.stage_runs * shape.num_layers / shape.n)
+        drafter = summary.timing["drafter"] / stats.drafter_calls
+        head = summary.timing["verify_head"] / stats.verifications
+        stage = shape.largest_stage * per_layer
+        cycle = (max(stage, drafter) if shape.schedule == "input" else stage + drafter) + head
+        return summary.tokens_per_step * (shape.num_layers * per_layer + head) / cycle
+
+    @classmethod
+    def l_acc(cls, summary) -> float | None:
+        """alpha * L / largest stage: accepted layers per cycle over the slowest stage's."""
+        shape = summary.stats.pipeline
+        if shape is None or summary.tokens_per_step is None:
+            return None
+        return summary.tokens_per_step * shape.num_layers / shape.largest_stage
+
+    @classmethod
+    def reference_speedup(cls, summary) -> float | None:
+        """The reference code's theoretical speedup: n * N / S per sample (N counts the prefill token, S the decode
+        cycles), averaged over samples, so a row compares with its published tables directly."""
+        shape = summary.stats.pipeline
+        if shape is None or not summary.samples:
+            return None
+        return sum(shape.n * tokens / steps for tokens, steps in summary.lengths if steps) / summary.samples
+
+    breakdown_note = ("ms per pipeline cycle on the driver: draft, stages (local: every stage in turn; distributed: "
+                      "control, transfers and the wait for the slowest rank), verification head, the rest (sampling, "
+                      "bookkeeping); slowest stage: the busiest rank's forward time per cycle (distributed only)")
+
+    @classmethod
+    def cycle_breakdown(cls, summary) -> dict[str, float | None] | None:
+        """Executed runs: the driver's serial phases in ms per cycle (they add up to the cycle's wall time) and,
+        distributed, the slowest stage rank's forward time per cycle."""
+        decode = summary.timing.get("decode")
+        if summary.stats.pipeline is None or summary.simulated or not summary.steps or not decode:
+            return None
+        ms = {phase: 1000 * summary.timing.get(key, 0.0) / summary.steps
+              for phase, key in (("draft", "drafter"), ("stages", "stages"), ("verify", "verify_head"))}
+        ms["other"] = 1000 * decode / summary.steps - sum(ms.values())
+        ms["cycle"] = 1000 * decode / summary.steps
+        forward = (summary.stats.executor.stage_forward_s if summary.stats.executor else None) or []
+        ms["slowest stage"] = 1000 * max(forward) / summary.steps if forward else None
+        return ms
 
     @classmethod
     def import_checkpoint(cls, path: Path, loaded, params: PipelineParams) -> tuple[Path, dict] | None:
@@ -126,6 +186,15 @@ class SPD(Method):
 
         target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
         return import_spd(path, target, expect=(params.n, params.ls)), {}
+
+    checks_parity = True
+
+    def parity(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int):
+        """The drafter's top-1 per (position, fill level) through the training layout, the engine and the replay
+        (methods/pipeline/parity.py)."""
+        from methods.pipeline.parity import compare
+
+        return compare(self.engine, prompt_ids, trajectory, max_new_tokens)
 
     @classmethod
     def check_model(cls, params: PipelineParams, num_layers: int) -> None:
@@ -141,6 +210,29 @@ class SPD(Method):
     @classmethod
     def served(cls, params: PipelineParams) -> tuple[int, str]:
         return params.n, f"--n {params.n} needs one per stage"
+
+    @classmethod
+    def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
+        """n=4, Ls=1 with random drafters, every schedule the method has, chains and width-4 trees."""
+        found = []
+        (schedules,) = [f.metadata["choices"] for f in fields_of(cls.Params) if f.name == "schedule"]
+        for schedule in schedules:
+            for width in (1, 4):
+                config = SpeculatorConfig(n=4, ls=1, schedule=schedule, policy=cls.policy, num_layers=target.num_layers)
+                params = cls.Params(n=4, ls=1, schedule=schedule, width=width)
+                method = cls(target, params, set(), speculator=Speculator(config, target).eval())
+                found.append((f"{cls.name} n=4 ls=1 {schedule} w={width}", method))
+        return found
+
+    @classmethod
+    def selfcheck_distributed(cls, target, scratch: Path) -> tuple[str, Method, int] | None:
+        speculator = Speculator(SpeculatorConfig(n=2, ls=1, policy=cls.policy, num_layers=target.num_layers),
+                                target).eval()
+        return f"{cls.name} n=2", cls(target, cls.Params(n=2, ls=1), set(), speculator=speculator), 2
+
+    def with_oracle(self, reference: dict[int, int], hit_rate: float) -> SPD:
+        self.engine.drafter_class = oracle_drafter(reference, hit_rate)
+        return self
 
     def distribute(self, group, dtype: str):
         """Run the target's stages on the ranks of `group` (methods/pipeline/distributed.py) from now on."""

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from harness.runtime.target import TargetRuntime
+from harness.runtime.target import TargetRuntime, stage_bounds
 from methods.draft_module import DraftModule
 from methods.pipeline.grouped_layout import GROUPED
 
@@ -27,19 +27,6 @@ LAYER_KINDS = ("target", "qwen3")
 def drafter_tag(n: int, ls: int, schedule: str) -> str:
     """The checkpoint tag of a pipeline drafter: its stage count, layers and schedule."""
     return f"n{n}-ls{ls}-{schedule}"
-
-
-def stage_bounds(num_layers: int, n: int) -> list[tuple[int, int]]:
-    """Contiguous near-even split: sizes differ by at most one, larger stages first."""
-    if not 1 <= n <= num_layers:
-        raise ValueError(f"n must be between 1 and the number of layers ({num_layers}), got {n}")
-    base, extra = divmod(num_layers, n)
-    bounds, lo = [], 0
-    for stage in range(n):
-        hi = lo + base + (stage < extra)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
 
 
 def feature_layers(policy: str, bounds: list[tuple[int, int]], depth: int) -> tuple[int, ...]:

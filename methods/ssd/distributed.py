@@ -25,6 +25,7 @@ from methods.base import Timer
 from methods.rounds import Node
 from methods.sampling import Sampler, SamplingConfig
 from methods.ssd.drafters import build_drafter
+from methods.stats import Executor
 
 START = 1  # the one operation after STOP (0, the runtime's): a generation; its rounds follow point to point
 HEADER = 4  # control vector: [START, prompt length, first token, seed]
@@ -58,8 +59,8 @@ class RemoteDrafter:
             raise HarnessError(f"the process group has {group.world_size} ranks; ssd needs 2 (driver and drafter)")
         target = method.target
         self.target, self.layers, self.k = target, tuple(method.drafter.layers), method.params.k
-        self.report = {"kind": "distributed", "backend": group.backend, "world_size": group.world_size,
-                       "devices": group.devices}  # the record's executor (the report labels such runs)
+        # the record's executor (the report labels such runs)
+        self.report = Executor("distributed", group.backend, group.world_size, group.devices)
         speculation = method.speculation
         plan = DrafterPlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
                            method.params, method.checkpoint, target.max_len, type(speculation), speculation.plan_state())

@@ -32,16 +32,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from harness.runtime.errors import HarnessError
 from methods.base import Generation, Method, Timer, param, register
-from methods.eagle3.head import head_tag, train_command
-from methods.rounds import Rounds, rounds_on_trajectory, target_prefill, verify_round
+from methods.eagle3.head import EagleConfig, EagleHead, head_tag, train_command
+from methods.rounds import DRAFT_POSITIONS, DraftShape, Rounds, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
 from methods.ssd.drafters import build_drafter
-from methods.ssd.speculate import Speculation
+from methods.ssd.speculate import OracleSpeculation, Speculation
+from methods.stats import Stats, same
 
 FALLBACKS = ("jit", "none")
 MAX_SPECULATED = 240  # tree rows per round: the runtime keeps 256 slots above the sequence for drafts
@@ -94,10 +96,24 @@ class _Round:
     fallback_drafts: int = 0  # rounds whose drafts the fallback drafted (jit), the first included
 
 
+@dataclass
+class SSDStats(Stats):
+    hits: list[int] | None = None  # per round: 1 where its drafts came from the speculation cache
+    cache_hits: int | None = None
+    fallback_drafts: int | None = None  # rounds the fallback drafted
+    speculated: int | None = None  # chains drafted for outcomes that might come
+    synchronous_tokens: int | None = None  # the synchronous rerun's tokens (timed beside SSD)
+    synchronous_samples: int | None = None
+    draft: DraftShape | None = same()
+
+
 @register
 class SSD(Method):
     name = "ssd"
     Params = SSDParams
+    Stats = SSDStats
+    positions = DRAFT_POSITIONS
+    serves = "the drafter's rank"
 
     @classmethod
     def drafter(cls, params: SSDParams) -> tuple[str, str] | None:
@@ -108,11 +124,11 @@ class SSD(Method):
     def theoretical_speedup(cls, summary) -> float | None:
         """tau * L / (L + f * Ls * k): drafting is hidden behind verification except the fallback's (f: share of
         rounds that missed and drafted k tokens through the head's Ls layers)."""
-        shape, tau = summary.draft, summary.tokens_per_step
+        shape, tau = summary.stats.draft, summary.tokens_per_step
         if shape is None or tau is None or not summary.steps:
             return None
-        drafted = summary.counts.get("fallback_drafts", 0) / summary.steps
-        return tau * shape["num_layers"] / (shape["num_layers"] + drafted * shape["ls"] * shape["m"])
+        drafted = (summary.stats.fallback_drafts or 0) / summary.steps
+        return tau * shape.num_layers / (shape.num_layers + drafted * shape.ls * shape.m)
 
     @classmethod
     def modeled_speedup(cls, summary) -> float | None:
@@ -136,7 +152,7 @@ class SSD(Method):
     @classmethod
     def figures(cls, summary) -> dict[str, float | None]:
         could_hit = summary.steps - summary.samples
-        return {"cache hit rate": summary.counts.get("cache_hits", 0) / could_hit if could_hit > 0 else None,
+        return {"cache hit rate": (summary.stats.cache_hits or 0) / could_hit if could_hit > 0 else None,
                 "tokens/forward": summary.tokens_per_step, "theoretical x": cls.theoretical_speedup(summary),
                 "modeled x": cls.modeled_speedup(summary), "wall-clock x": summary.wall_clock_speedup,
                 "vs synchronous x": cls.synchronous_speedup(summary)}
@@ -146,13 +162,34 @@ class SSD(Method):
         """Decode tokens/s over synchronous speculative decoding's with the same drafter and k, timed beside SSD on
         the same samples (records from before it was timed: None)."""
         ours, decode = summary.tokens_per_second, summary.timing.get("synchronous_decode", 0.0)
-        if ours is None or decode <= 0 or summary.counts.get("synchronous_samples", 0) != summary.samples:
+        if ours is None or decode <= 0 or summary.stats.synchronous_samples != summary.samples:
             return None
-        return ours / ((summary.counts["synchronous_tokens"] - summary.samples) / decode)
+        return ours / ((summary.stats.synchronous_tokens - summary.samples) / decode)
 
     @classmethod
     def served(cls, params: SSDParams) -> tuple[int, str]:
         return 1, "ssd's drafter takes one"
+
+    @classmethod
+    def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
+        head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
+        return [("ssd k=3 fan_out=2", cls(target, SSDParams(k=3, fan_out=2, ttt=3), set(), head=head))]
+
+    @classmethod
+    def selfcheck_distributed(cls, target, scratch: Path) -> tuple[str, Method, int]:
+        """A random head saved as the checkpoint the drafter's rank loads."""
+        from harness.runtime import checkpoints
+
+        head, config = scratch / "ssd-head", EagleConfig(ttt=3, num_layers=target.num_layers,
+                                                         target=target.identity.to_dict())
+        checkpoints.save(head, EagleHead(config, target).eval(),
+                         {"eagle": config.to_dict(), "target": config.target, "method": "eagle3"})
+        return "ssd k=3 fan_out=2", cls(target, SSDParams(k=3, fan_out=2, ttt=3), set(), checkpoint=str(head)), 1
+
+    def with_oracle(self, reference: dict[int, int], hit_rate: float) -> SSD:
+        """A fresh oracle drafter side each call (methods/ssd/speculate.py)."""
+        self.speculation = OracleSpeculation(self.drafter, self.params, reference, hit_rate)
+        return self
 
     def __init__(self, target, params: SSDParams, stop_ids, checkpoint=None, head=None):
         super().__init__(target, params, stop_ids, checkpoint)
@@ -190,7 +227,7 @@ class SSD(Method):
         first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
         synchronous = self.synchronous_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
         generation.timing["synchronous_decode"] = synchronous.timing["decode"]
-        generation.stats.update(synchronous_tokens=len(synchronous.output_ids), synchronous_samples=1)
+        generation.stats.synchronous_tokens, generation.stats.synchronous_samples = len(synchronous.output_ids), 1
 
     @classmethod
     def check_simulation(cls, params: SSDParams, temperature: float) -> None:
@@ -240,8 +277,8 @@ class SSD(Method):
                 cached = drafts is not None
                 log.modeled += _modeled(before, timer.totals)
         return rounds.generation({**timer.totals, "modeled": log.modeled},
-                                 {"hits": log.hits, "cache_hits": sum(log.hits), "fallback_drafts": log.fallback_drafts,
-                                  "speculated": log.speculated, "draft": self._shape()})
+                                 SSDStats(hits=log.hits, cache_hits=sum(log.hits), fallback_drafts=log.fallback_drafts,
+                                          speculated=log.speculated, draft=self._shape()))
 
     def synchronous_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
                            sampler: Sampler, timer: Timer) -> Generation:
@@ -259,7 +296,7 @@ class SSD(Method):
                 new = rounds.commit_path(drafts, path, bonus)
                 with timer("head_update"):
                     head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
-        return rounds.generation(timer.totals, {"draft": self._shape()})
+        return rounds.generation(timer.totals, SSDStats(draft=self._shape()))
 
     def _remote_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
                        sampler: Sampler, timer: Timer) -> Generation:
@@ -288,12 +325,12 @@ class SSD(Method):
         modeled = sum(_modeled({}, {"verify": seconds, **drafted}) for seconds, drafted in zip(verified, per_round))
         timing = {**timer.totals, "modeled": modeled,
                   **{f"drafter_{name}": drafter.get(name, 0.0) for name in ("speculate", "fallback", "head_update")}}
-        return rounds.generation(timing, {"hits": hits, **counts, "executor": self.remote.report,
-                                          "draft": self._shape()})
+        return rounds.generation(timing, SSDStats(hits=hits, **counts, executor=self.remote.report,
+                                                  draft=self._shape()))
 
-    def _shape(self) -> dict:
+    def _shape(self) -> DraftShape:
         """What the speedup formulas need: target layers, a drafted token's cost in target layers, k."""
-        return {"num_layers": self.target.num_layers, "ls": self.drafter.cost_layers, "m": self.params.k, "width": 1}
+        return DraftShape(self.target.num_layers, self.drafter.cost_layers, self.params.k)
 
 def _restored(saved: tuple[torch.device, torch.Tensor] | None) -> torch.Generator | None:
     """A generator on its device in the saved state: the synchronous run starts from SSD's seed."""

@@ -103,3 +103,26 @@ class Speculation:
         q = saguaro(sampler.probs(logits), saguaro_x, self.params.fan_out)
         tokens = torch.multinomial(q, 1, generator=sampler.generator)[:, 0].tolist()
         return tokens, list(q)
+
+
+class OracleSpeculation(Speculation):
+    """The drafter side drafting, and guessing, a reference token first with probability `hit_rate` per row, so cache
+    hits and misses both occur with a random head (self-checks, tests); its state travels to a drafter rank with
+    the plan."""
+
+    def __init__(self, drafter, params, reference: dict[int, int], hit_rate: float, rng: torch.Generator | None = None):
+        super().__init__(drafter, params)
+        self.reference, self.hit_rate = reference, hit_rate
+        self.rng = rng or torch.Generator().manual_seed(0)
+
+    def logits(self, states, positions):
+        logits = super().logits(states, positions).clone()
+        for row, position in enumerate(positions):
+            right = self.reference.get(position)
+            if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
+                logits[row] = -10.0
+                logits[row, right] = 10.0
+        return logits
+
+    def plan_state(self) -> dict:
+        return {"reference": self.reference, "hit_rate": self.hit_rate, "rng": self.rng}

@@ -1,0 +1,96 @@
+"""A generation's stats as typed records: each family declares a dataclass (a `Stats` subclass) with its counters and
+its shape; the family fills it (`Generation.stats`), the record stores `record()`, and the report reads it back
+through the family (`Method.Stats.read`) and pools a configuration's samples with `pooled`.
+
+Pooling, field by field: numbers add up, lists of numbers add element-wise, and a field marked `same()` (a run's
+shape, its devices) is what every sample of one configuration shares, so the latest sample's value stands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Self
+
+
+def same(default=None):
+    """A field every sample of a configuration shares (a shape, a device list): pooled by keeping it, not adding."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"same": True})
+    return field(default=default, metadata={"same": True})
+
+
+class Record:
+    """A dataclass the record stores as a JSON object: None fields are left out, nested records are objects."""
+
+    def record(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value.record() if isinstance(value, Record) else value
+        return out
+
+    @classmethod
+    def read(cls, raw: dict) -> Self:
+        """The record's object as this class; keys it does not declare (the runner's own) are not its business."""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in fields(cls):
+            if f.name in raw:
+                nested = _record_class(hints[f.name])
+                value = raw[f.name]
+                values[f.name] = nested.read(value) if nested is not None and isinstance(value, dict) else value
+        return cls(**values)
+
+    def pooled(self, other: Self) -> Self:
+        """This sample's stats with another sample's of the same configuration added (see the module's rules)."""
+        return type(self)(**{f.name: _pool(f, getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
+
+
+def _record_class(hint) -> type[Record] | None:
+    """The Record class a field holds (also as `X | None`), else None."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return next((o for o in options if isinstance(o, type) and issubclass(o, Record)), None)
+
+
+def _pool(f: dataclasses.Field, a, b):
+    if a is None or b is None or f.metadata.get("same"):
+        return a if b is None else b
+    if isinstance(a, Record):
+        return a.pooled(b)
+    if isinstance(a, list):
+        size = max(len(a), len(b))
+        return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(size)]
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return a + b
+    return b
+
+
+@dataclass
+class Executor(Record):
+    """Where a generation's served ranks ran: "local" (one process) or "distributed", with the group's facts."""
+
+    kind: str = same("local")
+    backend: str | None = same()
+    world_size: int | None = same()
+    devices: list | None = same()
+    stage_forward_s: list[float] | None = None  # pipeline stage ranks: each one's summed forward seconds
+
+
+@dataclass
+class Stats(Record):
+    """What every generation may record beside its tokens and timings; families add their own fields."""
+
+    expected_accepts: float | None = None  # replayed runs: summed acceptance probabilities of the verified drafts
+    executor: Executor | None = None  # families with served ranks
+
+    def drafts(self, steps: int, positions: int) -> list[int]:
+        """Drafts the target verified at each draft position: by default every step offers every position."""
+        return [steps] * positions
+
+    @property
+    def executor_kind(self) -> str:
+        return "local" if self.executor is None else self.executor.kind
