@@ -45,6 +45,37 @@ class Record:
                 values[f.name] = nested.read(value) if nested is not None and isinstance(value, dict) else value
         return cls(**values)
 
+    def leaves(self) -> dict[tuple, float]:
+        """The numbers pooling adds up, by path: field name, then a list index or the nested record's path."""
+        out: dict[tuple, float] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("same") or value is None:
+                continue
+            if isinstance(value, Record):
+                out.update({(f.name, *path): v for path, v in value.leaves().items()})
+            elif isinstance(value, list):
+                out.update({(f.name, i): v for i, v in enumerate(value) if _number(v)})
+            elif _number(value):
+                out[(f.name,)] = value
+        return out
+
+    def with_leaves(self, values: dict[tuple, float]) -> Self:
+        """A copy with the numbers at these paths replaced (a bootstrap replicate's sums; see `leaves`)."""
+        mine: dict[str, dict[tuple, float]] = {}
+        for path, v in values.items():
+            mine.setdefault(path[0], {})[path[1:]] = v
+        changes = {}
+        for name, part in mine.items():
+            value = getattr(self, name)
+            if isinstance(value, Record):
+                changes[name] = value.with_leaves(part)
+            elif isinstance(value, list):
+                changes[name] = [part.get((i,), v) for i, v in enumerate(value)]
+            else:
+                changes[name] = part[()]
+        return dataclasses.replace(self, **changes)
+
     def pooled(self, other: Self) -> Self:
         """This sample's stats with another sample's of the same configuration added (see the module's rules)."""
         return type(self)(**{f.name: _pool(f, getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
@@ -54,6 +85,10 @@ def _record_class(hint) -> type[Record] | None:
     """The Record class a field holds (also as `X | None`), else None."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     return next((o for o in options if isinstance(o, type) and issubclass(o, Record)), None)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _pool(f: dataclasses.Field, a, b):

@@ -43,22 +43,30 @@ class StageCost:
 
 def bench_stages(target: TargetRuntime, model_name: str, n: int, widths: list[int], prompt_len: int,
                  repeats: int) -> list[StageCost]:
-    """Every stage of the n-stage split, at each width, after a `prompt_len`-token prefill."""
+    """Every stage of the n-stage split, at each width, after a `prompt_len`-token prefill. The widths take turns
+    call by call (ABAB), so a machine whose speed drifts during the run slows them alike; the first round warms up.
+    Each call reads the prefill and writes only its own slots, so the turns do not disturb one another."""
     results = []
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=gen)
     with torch.inference_mode():
+        target.reset()
+        target.forward(prompt.to(target.device), 0)
+        hidden = {width: target.embed(torch.randint(0, target.config.vocab_size, (width,), generator=gen))
+                  for width in widths}
+        seconds: dict[tuple[int, int], list[float]] = {}
+        for stage, (lo, hi) in enumerate(stage_bounds(target.num_layers, n)):
+            for round_ in range(repeats + 1):
+                for width in widths:
+                    elapsed = _timed_call(target, lo, hi, hidden[width], prompt_len, width)
+                    if round_:
+                        seconds.setdefault((width, stage), []).append(elapsed)
         for width in widths:
-            target.reset()
-            target.forward(prompt.to(target.device), 0)
-            tokens = torch.randint(0, target.config.vocab_size, (width,), generator=gen)
-            hidden = target.embed(tokens)
             for stage, (lo, hi) in enumerate(stage_bounds(target.num_layers, n)):
-                seconds = [_timed_call(target, lo, hi, hidden, prompt_len, width) for _ in range(repeats + 1)][1:]
                 results.append(StageCost(
                     "bench-stage", model_name, target.device.type, str(target.dtype).removeprefix("torch."), n, stage,
                     hi - lo, sum(t == "linear_attention" for t in target.layer_types[lo:hi]), width, prompt_len,
-                    repeats, 1000 * statistics.median(seconds), _kv_bytes(target, lo, hi),
+                    repeats, 1000 * statistics.median(seconds[width, stage]), _kv_bytes(target, lo, hi),
                     _linear_bytes(target, lo, hi, prompt_len + width - 1), versions(),
                     config_key({"kind": "bench-stage", "model": model_name, "n": n, "stage": stage, "width": width,
                                 "prompt_len": prompt_len, "dtype": str(target.dtype), "device": target.device.type})))

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+from harness.reporting.intervals import percentile_interval, replicates  # noqa: E402
 from harness.reporting.metrics import Block, Summary, config_label, family, find  # noqa: E402
 from harness.reporting.paper import ScalingFigure  # noqa: E402
 from methods.rounds import DRAFT_POSITIONS  # noqa: E402
@@ -43,7 +44,9 @@ def acceptance(summaries: list[Summary], path: Path, axes: dict) -> Path | None:
             for s in shown:
                 if s.block == block:
                     rates = [float("nan") if a is None else a for a in s.position_acceptance]
-                    ax.plot(range(len(rates)), rates, marker="o", label=config_label(s))
+                    line, = ax.plot(range(len(rates)), rates, marker="o", label=config_label(s))
+                    below, above = _band(s)
+                    ax.fill_between(range(len(rates)), below, above, color=line.get_color(), alpha=0.15)
             ax.set_title(block.title)
             ax.set_xlabel(axis.name)
             ax.set_ylabel("acceptance rate")
@@ -88,17 +91,38 @@ def speedups(summaries: list[Summary], path: Path) -> Path | None:
              if s.method != "autoregressive" and not s.simulated and s.theoretical_speedup is not None]
     if not shown:
         return None
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(shown)))
-    kinds = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"), ("wall-clock", "wall_clock_speedup"))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.4 * len(shown)))
+    kinds = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"),
+             ("wall-clock (median paired)", "wall_clock_median"))
     for k, (name, attr) in enumerate(kinds):
-        values = [getattr(s, attr) or 0.0 for s in shown]
-        ax.barh([i + (k - 1) * 0.27 for i in range(len(shown))], values, height=0.27, label=name)
+        ys = [i + (k - 1) * 0.27 for i in range(len(shown))]
+        values, errors = _with_errors(shown, attr)
+        ax.barh(ys, [v or 0.0 for v in values], height=0.27, xerr=errors, label=name,
+                error_kw={"elinewidth": 0.8, "capsize": 1.5})
+        for y, value in zip(ys, values):
+            if value is None:  # a missing bar says so where it would be
+                ax.annotate("none", (0.01, y), fontsize=5, va="center", color="gray")
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(shown)), [_label(s) for s in shown], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("speedup over AR")
+    ax.set_xlabel("speedup over AR (error bars: 95% bootstrap interval over prompts)")
     ax.legend(fontsize=7)
+    fig.text(0.01, 0.0, "none: the family has no such figure (modeled: no timing model of its own) or the run timed "
+                        "nothing", fontsize=6, color="gray")
     return _save(fig, path)
+
+
+def _with_errors(shown: list[Summary], figure) -> tuple[list, list[list[float]]]:
+    """Each summary's figure and its interval as matplotlib's [below, above] error lengths (0 where none)."""
+    get = figure if callable(figure) else (lambda s: getattr(s, figure))
+    values, below, above = [], [], []
+    for s in shown:
+        value = get(s)
+        found = None if value is None else percentile_interval([get(r) for r in replicates(s)], s.fewest_prompts)
+        values.append(value)
+        below.append(max(0.0, value - found.low) if found else 0.0)
+        above.append(max(0.0, found.high - value) if found else 0.0)
+    return values, [below, above]
 
 
 def cycle_breakdown(summaries: list[Summary], path: Path) -> Path | None:
@@ -126,14 +150,28 @@ def _panels(summaries: list[Summary]) -> list[Block]:
     return sorted({s.block for s in summaries})
 
 
-def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, block: Block) -> tuple[list, list]:
-    """(x, theoretical speedup) along `axis` for one method at fixed parameters; executed runs before simulated."""
+def _band(s: Summary) -> tuple[list[float], list[float]]:
+    """The 95% interval of the acceptance at each position (nan where there is none)."""
+    low, high = [], []
+    for k in range(len(s.position_drafts)):
+        get = (lambda k: lambda x: x.position_acceptance[k] if k < len(x.position_drafts) else None)(k)
+        found = percentile_interval([get(r) for r in replicates(s)], s.fewest_prompts)
+        low.append(found.low if found else float("nan"))
+        high.append(found.high if found else float("nan"))
+    return low, high
+
+
+def _series(summaries: list[Summary], method: str, fixed: dict, axis: str, block: Block
+            ) -> tuple[list, list, list[list[float]]]:
+    """(x, theoretical speedup, its error lengths) along `axis` for one method at fixed parameters; executed runs
+    before simulated."""
     fixed = {**fixed, "width": block.width}
     t, truncation = block.temperature, block.truncation
     values = {s.params[axis] for s in summaries if axis in s.params and s.matches(method, fixed, t, truncation)}
     found = {x: find(summaries, method, {**fixed, axis: x}, t, truncation=truncation) for x in values}
     xs = sorted(x for x, s in found.items() if s.theoretical_speedup is not None)
-    return xs, [found[x].theoretical_speedup for x in xs]
+    ys, errors = _with_errors([found[x] for x in xs], "theoretical_speedup")
+    return xs, ys, errors
 
 
 def _grid_of_panels(panels: list, draw, xlabel: str, path: Path, ticks: list[int]) -> Path | None:
@@ -165,11 +203,11 @@ def scaling(spec: ScalingFigure, summaries: list[Summary], path: Path) -> Path |
     """One of the paper's figures: theoretical speedup along a parameter, a panel per (T, width)."""
     def draw(ax, block) -> bool:
         for series in spec.lines:
-            xs, ys = _series(summaries, series.method, series.fixed, series.axis, block)
+            xs, ys, errors = _series(summaries, series.method, series.fixed, series.axis, block)
             if xs:
-                ax.plot(xs, ys, marker="o", label=series.label)
+                ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=2, label=series.label)
         for series in spec.levels:
-            xs, ys = _series(summaries, series.method, series.fixed, series.axis, block)
+            xs, ys, _ = _series(summaries, series.method, series.fixed, series.axis, block)
             for x, y in zip(xs, ys):
                 ax.axhline(y, linestyle="--", linewidth=1, color="gray")
                 ax.annotate(f"{series.label}={x}", (spec.ticks[0], y), fontsize=7, va="bottom")

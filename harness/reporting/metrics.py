@@ -90,8 +90,20 @@ class Summary:
     baseline_tokens: int = 0
     baseline_decode_s: float = 0.0
     simulated: bool = False  # acceptance replayed on the AR output, not executed
+    units: list = field(default_factory=list, repr=False)  # each sample: (its record, its family's stats)
+
+    def empty(self) -> Summary:
+        """A summary of the same configuration and dataset with no samples yet (a bootstrap replicate's start)."""
+        return Summary(self.method, self.params, self.model, self.temperature, self.dataset, self.config_key,
+                       self.top_k, self.top_p, self.max_new_tokens, simulated=self.simulated)
 
     def add(self, row: dict) -> None:
+        self.add_unit((row, (self.family.Stats if self.family else Stats).read(row.get("stats") or {})))
+
+    def add_unit(self, unit: tuple[dict, Stats]) -> None:
+        """Pool one sample: its record and its stats as the family reads them (read once, pooled by every replicate)."""
+        row, stats = unit
+        self.units.append(unit)
         self.samples += 1
         self.new_tokens += row["new_tokens"]
         self.steps += row["steps"]
@@ -101,7 +113,6 @@ class Summary:
         if row["lossless"].get("checked") and not row["lossless"].get("identical"):
             self.divergences.append((row["question_id"], row["lossless"].get("first_divergence")))
         _add(self.timing, row["timing"])
-        stats = (self.family.Stats if self.family else Stats).read(row.get("stats") or {})
         self.stats = stats if self.stats is None else self.stats.pooled(stats)
         accepts = row.get("position_accepts", [])
         self.position_drafts = _vector_sum(self.position_drafts, stats.drafts(row["steps"], len(accepts)))
@@ -109,6 +120,20 @@ class Summary:
         if row.get("baseline"):
             self.baseline_tokens += row["baseline"]["new_tokens"]
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
+
+    def units_by_dataset(self) -> dict[str, list]:
+        found: dict[str, list] = {}
+        for unit in self.units:
+            found.setdefault(unit[0]["dataset"], []).append(unit)
+        return found
+
+    def units_by_prompt(self) -> dict[tuple[str, str], tuple]:
+        return {(unit[0]["dataset"], str(unit[0]["question_id"])): unit for unit in self.units}
+
+    @property
+    def fewest_prompts(self) -> int:
+        """The fewest samples of any dataset this summary pools (an interval's reliability)."""
+        return min((len(units) for units in self.units_by_dataset().values()), default=0)
 
     @property
     def width(self) -> int:
@@ -202,6 +227,30 @@ class Summary:
     def distributed(self) -> bool:
         """Whether the family's served ranks ran in processes of their own (`--executor distributed`)."""
         return self.stats is not None and self.stats.executor_kind == "distributed"
+
+    @property
+    def wall_clock_ratios(self) -> list[float]:
+        """Per sample: its decode tokens/s over AR's on the same prompt, AR timed beside it in the same run (samples
+        that decoded nothing after the prefill token on either side have no ratio)."""
+        ratios = []
+        for row, _ in self.units:
+            base, decode = row.get("baseline"), row["timing"].get("decode", 0.0)
+            base_decode = base["timing"].get("decode", 0.0) if base else 0.0
+            if decode > 0 and base_decode > 0 and row["new_tokens"] > 1 and base["new_tokens"] > 1:
+                ratios.append(((row["new_tokens"] - 1) / decode) / ((base["new_tokens"] - 1) / base_decode))
+        return ratios
+
+    @property
+    def wall_clock_median(self) -> float | None:
+        """The median of the per-sample paired ratios (the unit of a wall-clock comparison: both timed on one prompt
+        in one run, so the machine's drift between prompts cancels)."""
+        if self.method == "autoregressive":
+            return 1.0
+        ratios = sorted(self.wall_clock_ratios)
+        if not ratios:
+            return None
+        middle = len(ratios) // 2
+        return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
 
     @property
     def wall_clock_speedup(self) -> float | None:

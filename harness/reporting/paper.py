@@ -10,11 +10,13 @@ compared are printed beside it either way.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from harness.bench.sweep import GridPoint
+from harness.reporting.intervals import MIN_PROMPTS, Interval, paired, percentile_interval
 from harness.reporting.metrics import OVERALL, Summary, find
 from methods.sampling import NO_TRUNCATION
 
@@ -28,8 +30,9 @@ tokens/step: tau (draft-then-verify) or alpha (pipeline: tokens per cycle); L'ac
 theoretical x: input schedule alpha*L/max(largest stage, Ls), output schedule alpha*L/(largest stage + Ls),
 EAGLE-3 tau*L/(Ls*m + L) (tokens/step excludes each sample's prefill token).
 modeled x: the same with measured stage / drafter / verification-head times (one device per stage).
-wall-clock x: decode tok/s over AR's, AR timed beside the method on the same prompts in the same run; a
-single-process pipeline runs its stages one after another, so this is below 1 by construction.
+wall-clock x: the median over samples of the sample's decode tok/s over AR's on the same prompt, AR timed
+beside it in the same run (n: the samples it rests on); a single-process pipeline runs its stages one after
+another, so this is below 1 by construction. The paper's reference values compare the pooled ratio, as it reports.
 (sim): acceptance replayed on the AR output from one teacher-forced pass (`--simulate`): exact at T=0, expected
 acceptance at T>0; no timings and no losslessness check of its own.
 lossless %: samples token-identical to greedy AR among those checked (T=0); T>0 is covered by distribution tests.
@@ -212,7 +215,62 @@ REFERENCES = (
 
 
 # --- the paper's claims, checked on the records -----------------------------------------------------------------------
-Comparison = tuple[str, bool]  # what was compared (figures), and whether it went the claimed way
+@dataclass(frozen=True)
+class Comparison:
+    """Two configurations measured the same way (both executed or both simulated) and the direction the claim gives
+    a figure from the first to the second."""
+
+    label: str
+    first: Summary
+    second: Summary
+    figure: str  # a Summary property
+    rises: bool  # the claim: the second's figure is higher (False: lower)
+
+
+@dataclass(frozen=True)
+class Test:
+    """A comparison tested on the prompts both ran: the difference second - first, its paired bootstrap interval."""
+
+    comparison: Comparison
+    difference: float
+    interval: Interval | None
+    prompts: int  # the fewest shared prompts of any dataset
+
+    @property
+    def verdict(self) -> str:
+        """"agrees" when the interval excludes no difference in the claimed direction, "disagrees" when it excludes
+        it the other way, "inconclusive" otherwise (or on too few prompts to trust an interval)."""
+        found = self.interval
+        if found is None or not found.reliable or not found.excludes(0.0):
+            return "inconclusive"
+        return "agrees" if (found.low > 0) == self.comparison.rises else "disagrees"
+
+    @property
+    def prompts_needed(self) -> int | None:
+        """Prompts per dataset that would resolve an inconclusive test at the observed spread: the interval narrows
+        as one over the square root of the prompts, until its half-width is the difference."""
+        found = self.interval
+        if self.verdict != "inconclusive" or found is None or self.difference == 0:
+            return None
+        half = (found.high - found.low) / 2
+        return max(MIN_PROMPTS, math.ceil(self.prompts * (half / abs(self.difference)) ** 2))
+
+    def text(self) -> str:
+        c, found = self.comparison, self.interval
+        figures = f"{_value(c.first, c.figure)} -> {_value(c.second, c.figure)}"
+        spread = "" if found is None else f" [{found.low:+.2f}, {found.high:+.2f}]"
+        needed = self.prompts_needed
+        return (f"{c.label}: {figures}, difference {self.difference:+.2f}{spread} on {self.prompts} prompts per "
+                f"dataset, {self.verdict}" + (f" (about {needed} would resolve it)" if needed else ""))
+
+
+def paired_test(comparison: Comparison) -> Test:
+    first, second = comparison.first, comparison.second
+    replicas_a, replicas_b, prompts = paired(first, second)
+    differences = [None if None in (a := getattr(ra, comparison.figure), b := getattr(rb, comparison.figure))
+                   else b - a for ra, rb in zip(replicas_a, replicas_b)]
+    found = percentile_interval(differences, prompts) if replicas_a else None
+    return Test(comparison, getattr(second, comparison.figure) - getattr(first, comparison.figure), found, prompts)
 
 
 @dataclass(frozen=True)
@@ -240,16 +298,14 @@ def _spd(n: int, ls: int, schedule: str) -> dict:
 
 def _pair(summaries: list[Summary], model: str, method: str, params: tuple[dict, dict], temperature: float
           ) -> tuple[Summary | None, Summary | None]:
-    """Two configurations measured the same way: both executed, else both simulated (same prompt budget), else
-    whatever each has."""
+    """Two configurations measured the same way: both executed, else both simulated; never one of each."""
     truncation = paper_truncation(temperature)
     for simulated in (False, True):
         first, second = (find(summaries, method, p, temperature, model=model, simulated=simulated,
                               truncation=truncation) for p in params)
         if first and second:
             return first, second
-    first, second = (find(summaries, method, p, temperature, model=model, truncation=truncation) for p in params)
-    return first, second
+    return None, None
 
 
 def _lacc_rises_with_n(summaries: list[Summary], model: str) -> list[Comparison]:
@@ -257,8 +313,7 @@ def _lacc_rises_with_n(summaries: list[Summary], model: str) -> list[Comparison]
     for ls in (1, 2, 3, 4):
         four, eight = _pair(summaries, model, "spd", (_spd(4, ls, "input"), _spd(8, ls, "input")), 0.0)
         if four and eight and four.l_acc is not None and eight.l_acc is not None:
-            out.append((f"Ls={ls}: n=4 {_value(four, 'l_acc')} -> n=8 {_value(eight, 'l_acc')}",
-                        eight.l_acc > four.l_acc))
+            out.append(Comparison(f"Ls={ls}: L'acc n=4 -> n=8", four, eight, "l_acc", rises=True))
     return out
 
 
@@ -268,11 +323,9 @@ def _output_schedule_tradeoff(summaries: list[Summary], model: str) -> list[Comp
         for ls in (1, 2, 3, 4):
             inp, outp = _pair(summaries, model, "spd", (_spd(n, ls, "input"), _spd(n, ls, "output")), 0.0)
             if inp and outp and None not in (inp.tokens_per_step, outp.tokens_per_step):
-                out.append((f"n={n} Ls={ls}: alpha input {_value(inp, 'tokens_per_step')} / output "
-                            f"{_value(outp, 'tokens_per_step')}, theoretical input "
-                            f"{_value(inp, 'theoretical_speedup')}x / output {_value(outp, 'theoretical_speedup')}x",
-                            outp.tokens_per_step > inp.tokens_per_step
-                            and outp.theoretical_speedup < inp.theoretical_speedup))
+                out += [Comparison(f"n={n} Ls={ls}: alpha input -> output", inp, outp, "tokens_per_step", rises=True),
+                        Comparison(f"n={n} Ls={ls}: theoretical x input -> output", inp, outp,
+                                   "theoretical_speedup", rises=False)]
     return out
 
 
@@ -284,17 +337,19 @@ def _best(summaries: list[Summary], model: str, method: str, temperature: float,
     return max(found, key=lambda s: s.theoretical_speedup, default=None)
 
 
+def _name(s: Summary) -> str:
+    return f"{s.method} {' '.join(f'{k}={v}' for k, v in sorted(s.params.items()))}"
+
+
 def _order_at_t1(summaries: list[Summary], model: str) -> list[Comparison]:
     for simulated in (False, True):  # all three executed, else all three simulated
-        best = [(m, _best(summaries, model, m, 1.0, simulated)) for m in ("spd", "eagle3", "ppsd")]
-        if all(s is not None for _, s in best):
+        best = [_best(summaries, model, m, 1.0, simulated) for m in ("spd", "eagle3", "ppsd")]
+        if all(s is not None for s in best):
             break
     else:
         return []
-    text = " > ".join(f"{m} {' '.join(f'{k}={v}' for k, v in sorted(s.params.items()))} "
-                      f"{_value(s, 'theoretical_speedup')}x" for m, s in best)
-    speedups = [s.theoretical_speedup for _, s in best]
-    return [(f"best of each: {text}", speedups[0] > speedups[1] > speedups[2])]
+    return [Comparison(f"best of each, theoretical x {_name(low)} -> {_name(high)}", low, high,
+                       "theoretical_speedup", rises=True) for high, low in zip(best, best[1:])]
 
 
 def _eagle_m7_over_m15(summaries: list[Summary], model: str) -> list[Comparison]:
@@ -302,9 +357,8 @@ def _eagle_m7_over_m15(summaries: list[Summary], model: str) -> list[Comparison]
     for temperature in (0.0, 1.0):
         seven, fifteen = _pair(summaries, model, "eagle3", ({"m": 7, "width": 1}, {"m": 15, "width": 1}), temperature)
         if seven and fifteen:
-            out.append((f"T={temperature:g}: m=7 {_value(seven, 'theoretical_speedup')}x, m=15 "
-                        f"{_value(fifteen, 'theoretical_speedup')}x",
-                        seven.theoretical_speedup > fifteen.theoretical_speedup))
+            out.append(Comparison(f"T={temperature:g}: theoretical x m=15 -> m=7", fifteen, seven,
+                                  "theoretical_speedup", rises=True))
     return out
 
 
@@ -320,6 +374,14 @@ CLAIMS = (
 )
 
 
+def combined(tests: list[Test]) -> str:
+    """A claim's verdict from its tests: all agree, all disagree, some each way (mixed), else inconclusive."""
+    verdicts = {t.verdict for t in tests}
+    if verdicts == {"agrees"} or verdicts == {"disagrees"}:
+        return verdicts.pop()
+    return "mixed" if {"agrees", "disagrees"} <= verdicts else "inconclusive"
+
+
 def verdicts(summaries: list[Summary]) -> list[Verdict]:
     """Every claim on every model with records (a claim with no records on any model is listed once)."""
     models = sorted({s.model for s in summaries}) or ["—"]
@@ -330,7 +392,6 @@ def verdicts(summaries: list[Summary]) -> list[Verdict]:
             if not comparisons:
                 out.append(Verdict(claim.text, model, f"not measured: `{claim.measure}`", "not measured"))
                 continue
-            held = [ok for _, ok in comparisons]
-            verdict = "agrees" if all(held) else "disagrees" if not any(held) else "mixed"
-            out.append(Verdict(claim.text, model, "; ".join(text for text, _ in comparisons), verdict))
+            tests = [paired_test(c) for c in comparisons]
+            out.append(Verdict(claim.text, model, "; ".join(t.text() for t in tests), combined(tests)))
     return out

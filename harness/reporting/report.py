@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pandas as pd
 
 from harness.bench.data import DATASETS
 from harness.bench.sweep import GridPoint
+from harness.reporting.intervals import MIN_PROMPTS, RESAMPLES, Interval, interval, percentile_interval, replicates
 from harness.reporting.metrics import (
     OVERALL,
     Block,
@@ -46,7 +48,11 @@ from harness.reporting.paper import (
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
            "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
 
-NOTES = DEFINITIONS
+NOTES = DEFINITIONS + f"""\
+[low, high]: the 95% interval of the figure by bootstrap over prompts ({RESAMPLES} resamples drawing each dataset's
+prompts again with replacement, so the pooled figure keeps its weighting; seeds fixed, so the report re-renders
+identically). Below {MIN_PROMPTS} prompts in a dataset a figure says "too few" instead of an interval.
+"""
 
 
 @dataclass
@@ -61,24 +67,64 @@ class Table:
 _params, _config = params_label, config_label
 
 
-def _num(value: float | None, digits: int = 2) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
+Figure = Callable[[Summary], "float | None"]
+
+
+def _getter(figure: str | Figure) -> Figure:
+    return figure if callable(figure) else (lambda s: getattr(s, figure))
+
+
+def _bracket(found: Interval | None, digits: int) -> str:
+    """The interval after a figure; a figure of too few prompts says so instead of printing a tight-looking one."""
+    if found is None:
+        return ""
+    if not found.reliable:
+        return f" [{found.prompts} prompt{'' if found.prompts == 1 else 's'}: too few]"
+    return f" [{found.low:.{digits}f}, {found.high:.{digits}f}]"
+
+
+def _ci(s: Summary | None, figure: str | Figure, digits: int = 2, unit: str = "") -> str:
+    """A pooled figure with its 95% bootstrap interval over prompts: "1.20 [1.14, 1.27]" (intervals.py)."""
+    get = _getter(figure)
+    value = None if s is None else get(s)
+    if value is None:
+        return "—"
+    found = percentile_interval([get(r) for r in replicates(s)], s.fewest_prompts)
+    return f"{value:.{digits}f}{unit}" + _bracket(found, digits)
+
+
+def _mean_ci(cells: list[Summary], figure: str | Figure, unit: str = "") -> str:
+    """The mean over datasets of a figure, its interval from the datasets' replicates averaged draw by draw."""
+    get = _getter(figure)
+    present = [s for s in cells if get(s) is not None]
+    if not present:
+        return "—"
+    draws = zip(*(replicates(s) for s in present))
+    means = [None if None in (values := [get(r) for r in draw]) else sum(values) / len(values) for draw in draws]
+    found = percentile_interval(means, min(s.fewest_prompts for s in present))
+    return f"{sum(get(s) for s in present) / len(present):.2f}{unit}" + _bracket(found, 2)
+
+
+def _wall(s: Summary | None) -> str:
+    """The median per-sample paired wall-clock ratio, its interval and how many samples it rests on."""
+    if s is None or s.wall_clock_median is None:
+        return "—"
+    count = len(s.wall_clock_ratios)
+    return _ci(s, "wall_clock_median") + (f" (n={count})" if count else "")
 
 
 def _triple(s: Summary | None) -> str:
     if s is None:
         return "—"
-    return f"{_num(s.tokens_per_step)} · {_num(s.l_acc)} · {_num(s.theoretical_speedup)}x"
+    return f"{_ci(s, 'tokens_per_step')} · {_ci(s, 'l_acc')} · {_ci(s, 'theoretical_speedup', unit='x')}"
 
 
 def _mean_triple(cells: list[Summary]) -> str:
     """Mean over the datasets present of each number in the cell (all three are linear in tokens/step)."""
-    def mean(attr):
-        values = [getattr(s, attr) for s in cells if getattr(s, attr) is not None]
-        return sum(values) / len(values) if values else None
     if not cells:
         return "—"
-    return f"{_num(mean('tokens_per_step'))} · {_num(mean('l_acc'))} · {_num(mean('theoretical_speedup'))}x"
+    return (f"{_mean_ci(cells, 'tokens_per_step')} · {_mean_ci(cells, 'l_acc')} · "
+            f"{_mean_ci(cells, 'theoretical_speedup', unit='x')}")
 
 
 def _cell(summaries: list[Summary], block: Block, method: str, **params) -> str:
@@ -141,8 +187,8 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
     first, second = spec.values
     rows = [[f"{m} " + " ".join(f"{p}={v}" for p, v in zip(spec.label, values)) + length_label(tokens)
              + (" (sim)" if sim else ""), str(w), t,
-             _num(p[first].tokens_per_step), _num(p[second].tokens_per_step),
-             _num(p[first].theoretical_speedup), _num(p[second].theoretical_speedup)]
+             _ci(p[first], "tokens_per_step"), _ci(p[second], "tokens_per_step"),
+             _ci(p[first], "theoretical_speedup"), _ci(p[second], "theoretical_speedup")]
             for (m, *values, w, t, sim, tokens), p in sorted(pairs.items(), key=str) if len(p) == 2]
     if not rows:
         return []
@@ -151,9 +197,8 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
 
 
 def speedup_table(overall: list[Summary]) -> list[Table]:
-    rows = [[_config(s), str(s.width), s.sampling, _num(s.theoretical_speedup),
-             _num(s.reference_theoretical), _num(s.modeled_speedup), _num(s.wall_clock_speedup),
-             _num(s.tokens_per_second, 1)]
+    rows = [[_config(s), str(s.width), s.sampling, _ci(s, "theoretical_speedup"),
+             _ci(s, "reference_theoretical"), _ci(s, "modeled_speedup"), _wall(s), _ci(s, "tokens_per_second", 1)]
             for s in overall if s.method != "autoregressive" and not s.simulated]
     if not rows:
         return []
@@ -177,21 +222,27 @@ def acceptance_tables(overall: list[Summary]) -> list[Table]:
     tables = []
     for axis, shown in position_axes(overall).items():
         size = max(len(s.position_drafts) for s in shown)
-        rows = [[_config(s), str(s.width), s.sampling] + [_num(a) for a in s.position_acceptance]
+        rows = [[_config(s), str(s.width), s.sampling] + [_ci(s, _position(k)) for k in range(len(s.position_drafts))]
                 + ["—"] * (size - len(s.position_drafts)) for s in shown]
         tables.append(Table(axis.title, ["config", "width", "T"] + [f"{axis.label} {k}" for k in range(size)], rows))
     return tables
 
 
-def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> float | None:
+def _position(k: int) -> Figure:
+    return lambda s: s.position_acceptance[k] if k < len(s.position_drafts) else None
+
+
+def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> str:
+    """Ours for a paper reference, with its interval ("—": not measured at the paper's configuration)."""
     truncation = paper_truncation(ref.temperature)  # ours compare with the paper's only at its sampling
     if ref.dataset == MEAN:
         cells = [find(summaries, ref.method, ref.params, ref.temperature, d, model, truncation=truncation)
                  for d in DATASETS]
-        values = [getattr(c, ref.metric) for c in cells if c is not None]
-        return sum(values) / len(values) if len(values) == len(DATASETS) and None not in values else None
-    found = find(summaries, ref.method, ref.params, ref.temperature, ref.dataset, model, truncation=truncation)
-    return None if found is None else getattr(found, ref.metric)
+        if None in cells or any(getattr(c, ref.metric) is None for c in cells):
+            return "—"
+        return _mean_ci(cells, ref.metric)
+    return _ci(find(summaries, ref.method, ref.params, ref.temperature, ref.dataset, model, truncation=truncation),
+               ref.metric)
 
 
 def reference_table(summaries: list[Summary]) -> list[Table]:
@@ -200,11 +251,11 @@ def reference_table(summaries: list[Summary]) -> list[Table]:
     models = sorted({s.model for s in summaries})
     for ref in REFERENCES:
         matching = [m for m in models if ref.matches_model(m)]
-        ours = [(m, _reference_value(summaries, m, ref)) for m in matching] or [("—", None)]
+        ours = [(m, _reference_value(summaries, m, ref)) for m in matching] or [("—", "—")]
         for model, value in ours:
             sampling = sampling_label(ref.temperature, paper_truncation(ref.temperature))
             rows.append([ref.model, f"{ref.method} {_params(ref.params)}", sampling, ref.dataset,
-                         ref.metric.replace("_", " "), f"{ref.value:.2f}", model, _num(value), ref.source])
+                         ref.metric.replace("_", " "), f"{ref.value:.2f}", model, value, ref.source])
     return [Table("The paper's reference values beside ours",
                   ["paper model", "config", "T", "dataset", "metric", "paper", "our model", "ours", "source"], rows,
                   "paper: published numbers (not measured here); ours: this harness on a model whose name matches "
@@ -216,8 +267,9 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
     def key(s):
         return (s.model, s.method, _params(s.params), s.temperature, s.truncation, s.max_new_tokens)
     executed = {key(s): s for s in overall if not s.simulated}
-    rows = [[_config(e), str(e.width), e.sampling, f"{e.samples}/{s.samples}", _num(e.tokens_per_step, 3),
-             _num(s.tokens_per_step, 3), _num(e.acceptance, 3), _num(s.acceptance, 3), _num(s.expected_acceptance, 3)]
+    rows = [[_config(e), str(e.width), e.sampling, f"{e.samples}/{s.samples}", _ci(e, "tokens_per_step", 3),
+             _ci(s, "tokens_per_step", 3), _ci(e, "acceptance", 3), _ci(s, "acceptance", 3),
+             _ci(s, "expected_acceptance", 3)]
             for s in overall if s.simulated and (e := executed.get(key(s))) is not None]
     if not rows:
         return []
@@ -232,8 +284,8 @@ def simulation_table(overall: list[Summary]) -> list[Table]:
 
 def summary_table(overall: list[Summary]) -> Table:
     """One line per configuration, pooled over datasets: what `make bench` ends with."""
-    rows = [[_config(s), str(s.width), s.sampling, str(s.samples), _num(s.acceptance),
-             _num(s.tokens_per_step), _num(s.l_acc), _num(s.theoretical_speedup), _num(s.wall_clock_speedup),
+    rows = [[_config(s), str(s.width), s.sampling, str(s.samples), _ci(s, "acceptance"),
+             _ci(s, "tokens_per_step"), _ci(s, "l_acc"), _ci(s, "theoretical_speedup"), _wall(s),
              "—" if s.lossless_pct is None else f"{s.identical}/{s.checked}"] for s in overall]
     return Table("Measured acceptance and speedups (pooled over datasets)",
                  ["config", "width", "T", "samples", "acceptance", "tokens/step", "L'acc", "theoretical x",
@@ -243,9 +295,16 @@ def summary_table(overall: list[Summary]) -> Table:
 def claims_table(summaries: list[Summary]) -> list[Table]:
     rows = [[v.claim, v.model, v.verdict, v.measured] for v in verdicts(summaries)]
     return [Table("The paper's claims, as measured here", ["claim", "model", "verdict", "measured"], rows,
-                  "each claim checked on the records above (width 1, pooled over datasets; both sides executed, "
-                  "else both simulated); drafters trained on a small budget make these statements about them, not "
-                  "about the paper's drafters")]
+                  "each claim tested on the records above (width 1, pooled over datasets; both sides executed, or "
+                  "both simulated, never one of each): per comparison the difference second - first on the prompts "
+                  "both ran, with its 95% paired bootstrap interval; agrees / disagrees when the interval excludes "
+                  "no difference in / against the claimed direction, inconclusive otherwise (with the prompts per "
+                  "dataset that would resolve it at the observed spread); drafters trained on a small budget make "
+                  "these statements about them, not about the paper's drafters")]
+
+
+def _phase(name: str) -> Figure:
+    return lambda s: (s.cycle_breakdown or {}).get(name)
 
 
 def breakdown_table(overall: list[Summary]) -> list[Table]:
@@ -255,12 +314,16 @@ def breakdown_table(overall: list[Summary]) -> list[Table]:
     if not found:
         return []
     phases = list(found[0][1])
-    rows = [[_config(s), s.sampling, str(s.width), str(s.steps)] + [_num(ms.get(p), 1) for p in phases]
-            + [f"{_num(v)}x" for v in (s.theoretical_speedup, s.modeled_speedup, s.wall_clock_speedup)]
-            for s, ms in found]
+    rows = [[_config(s), s.sampling, str(s.width), str(s.steps)] + [_ci(s, _phase(p), 1) for p in phases]
+            + [_ci(s, "theoretical_speedup", unit="x"), _ci(s, "modeled_speedup", unit="x"), _wall(s)]
+            for s, _ in found]
     return [Table("Cycle wall breakdown", ["config", "T", "width", "cycles", *(f"{p} ms" for p in phases),
                                            "theoretical", "modeled", "wall-clock"], rows,
                   found[0][0].family.breakdown_note)]
+
+
+def _own(name: str) -> Figure:
+    return lambda s: s.family.figures(s).get(name)
 
 
 def family_tables(overall: list[Summary]) -> list[Table]:
@@ -273,8 +336,7 @@ def family_tables(overall: list[Summary]) -> list[Table]:
     tables = []
     for method, entries in found.items():
         names = list(entries[0][1])
-        rows = [[_config(s), s.sampling, str(s.samples)] + [_num(figures.get(n)) for n in names]
-                for s, figures in entries]
+        rows = [[_config(s), s.sampling, str(s.samples)] + [_ci(s, _own(n)) for n in names] for s, _ in entries]
         tables.append(Table(f"{method} figures", ["config", "T", "samples", *names], rows,
                             entries[0][0].family.figures_note))
     return tables
@@ -293,9 +355,9 @@ def detail_table(summaries: list[Summary]) -> Table:
 def _cells(s: Summary) -> list[str]:
     lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
     return [s.method, _params(s.params), s.model, s.sampling, s.dataset, "yes" if s.simulated else "no",
-            str(s.samples), str(s.new_tokens), str(s.steps), _num(s.tokens_per_step), _num(s.l_acc),
-            _num(s.theoretical_speedup), _num(s.modeled_speedup), _num(s.wall_clock_speedup),
-            _num(s.tokens_per_second, 1), lossless]
+            str(s.samples), str(s.new_tokens), str(s.steps), _ci(s, "tokens_per_step"), _ci(s, "l_acc"),
+            _ci(s, "theoretical_speedup"), _ci(s, "modeled_speedup"), _wall(s),
+            _ci(s, "tokens_per_second", 1), lossless]
 
 
 def missing_points(summaries: list[Summary]) -> list[GridPoint]:
@@ -382,13 +444,27 @@ def latex(summaries: list[Summary], figures: dict[str, str] | None = None) -> st
     return "\n".join(out)
 
 
+CSV_FIGURES = (("acceptance", "acceptance"), ("tokens/step", "tokens_per_step"), ("L'acc", "l_acc"),
+               ("theoretical x", "theoretical_speedup"), ("reference def. x", "reference_theoretical"),
+               ("modeled x", "modeled_speedup"), ("wall-clock x", "wall_clock_median"), ("tok/s", "tokens_per_second"))
+
+
 def csv_text(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
+    """Every configuration by dataset, each figure as a number with its interval's low and high in columns of their
+    own (empty where not measured; `prompts`: the fewest per dataset, below which intervals are unreliable)."""
+    header = ["method", "params", "model", "T", "dataset", "simulated", "samples", "prompts", "new tokens", "steps"]
+    header += [f"{name}{part}" for name, _ in CSV_FIGURES for part in ("", " low", " high")]
+    header += ["wall-clock samples", "checked", "identical"]
     rows = []
     for s in summaries:
-        row = _cells(s)
-        row[1] = json.dumps(s.params, sort_keys=True)
-        rows.append(row)
-    return _frame(list(COLUMNS), rows).to_csv(index=False)
+        row = [s.method, json.dumps(s.params, sort_keys=True), s.model, s.sampling, s.dataset, s.simulated,
+               s.samples, s.fewest_prompts, s.new_tokens, s.steps]
+        for _, figure in CSV_FIGURES:
+            value = getattr(s, figure)
+            found = None if value is None else interval(s, figure)
+            row += [value, found and found.low, found and found.high]
+        rows.append(row + [len(s.wall_clock_ratios), s.checked, s.identical])
+    return pd.DataFrame(rows, columns=header).to_csv(index=False)
 
 
 RENDERERS = {"markdown": markdown, "latex": latex, "csv": csv_text}

@@ -1,0 +1,157 @@
+"""95% intervals by bootstrap over prompts, for every pooled figure and for the difference between two configurations.
+
+A configuration's figure pools its samples (metrics.py). Its interval comes from RESAMPLES replicates that draw the
+prompts again with replacement within each dataset (as many as that dataset has, so the pooled figure keeps its
+weighting by dataset), pool each replicate the same way and take the 2.5th and 97.5th percentiles of the figure.
+A paired comparison draws the same prompts for both configurations (the ones both ran), so the prompt-to-prompt
+spread they share cancels in the difference. Seeds are fixed by configuration, so a report re-renders identically.
+With fewer than MIN_PROMPTS prompts in a dataset an interval is marked unreliable: resampling three prompts says
+little about the next thirty.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from harness.reporting.metrics import Summary
+
+RESAMPLES = 400
+MIN_PROMPTS = 5
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+    prompts: int  # the fewest prompts of any dataset the figure pools
+
+    @property
+    def reliable(self) -> bool:
+        return self.prompts >= MIN_PROMPTS
+
+    def excludes(self, value: float) -> bool:
+        return not self.low <= value <= self.high
+
+
+def percentile_interval(values: list[float], prompts: int) -> Interval | None:
+    """The central LEVEL share of replicate values; None when most replicates have no value."""
+    values = [v for v in values if v is not None]
+    if len(values) < RESAMPLES // 2:
+        return None
+    tail = 100 * (1 - LEVEL) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return Interval(float(low), float(high), prompts)
+
+
+def _seed(*parts) -> int:
+    """A seed from the configurations' identities (stable across processes, unlike hash())."""
+    return zlib.crc32("|".join(map(str, parts)).encode())
+
+
+def _draws(groups: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Indices drawn with replacement within each dataset (as many as it has)."""
+    return {dataset: rng.integers(0, size, size) for dataset, size in groups.items()}
+
+
+SCALARS = ("samples", "new_tokens", "steps", "checked", "identical", "baseline_tokens", "baseline_decode_s")
+
+
+def _leaves(s: Summary) -> dict[tuple, float]:
+    """Everything a summary adds up over its samples, by path (a replicate's figures are functions of these)."""
+    out = {("", name): getattr(s, name) for name in SCALARS}
+    out |= {("timing", key): value for key, value in s.timing.items()}
+    out |= {("drafts", i): value for i, value in enumerate(s.position_drafts)}
+    out |= {("accepts", i): value for i, value in enumerate(s.position_accepts)}
+    if s.stats is not None:
+        out |= {("stats", *path): value for path, value in s.stats.leaves().items()}
+    return out
+
+
+class _Pool:
+    """A summary's samples as rows of numbers, so that a replicate's sums are one weighted sum of rows."""
+
+    def __init__(self, summary: Summary, units: list):
+        self.template, self.units = summary, units
+        leaves = []
+        for unit in units:
+            one = summary.empty()
+            one.add_unit(unit)
+            leaves.append(_leaves(one))
+        self.keys = sorted({key for found in leaves for key in found}, key=str)
+        self.matrix = np.array([[found.get(key, 0.0) for key in self.keys] for found in leaves], dtype=float)
+
+    def replicate(self, counts: np.ndarray) -> Summary:
+        """The summary of the samples taken `counts[i]` times each."""
+        values = dict(zip(self.keys, counts @ self.matrix))
+        replica = self.template.empty()
+        for name in SCALARS:
+            setattr(replica, name, values.get(("", name), 0.0))
+        replica.timing.update({key[1]: v for key, v in values.items() if key[0] == "timing"})
+        replica.position_drafts = [values[("drafts", i)] for i in range(len(self.template.position_drafts))]
+        replica.position_accepts = [values[("accepts", i)] for i in range(len(self.template.position_accepts))]
+        if self.template.stats is not None:
+            replica.stats = self.template.stats.with_leaves({key[1:]: v for key, v in values.items()
+                                                             if key[0] == "stats"})
+        replica.units = [unit for unit, count in zip(self.units, counts) for _ in range(int(count))]
+        replica.lengths = [(row["new_tokens"], row["steps"]) for row, _ in replica.units]
+        return replica
+
+
+def _counts(draws: dict[str, np.ndarray], offsets: dict[str, int], size: int) -> np.ndarray:
+    """How often each sample was drawn, samples ordered dataset by dataset."""
+    counts = np.zeros(size)
+    for dataset, picks in draws.items():
+        np.add.at(counts, picks + offsets[dataset], 1)
+    return counts
+
+
+_CACHE: dict[tuple, tuple[object, list]] = {}  # id(s) -> (the objects, kept alive so ids stay theirs; replicates)
+
+
+def replicates(summary: Summary) -> list[Summary]:
+    """RESAMPLES summaries of the configuration over prompts redrawn within each dataset."""
+    key = (id(summary),)
+    if key not in _CACHE:
+        rng = np.random.default_rng(_seed(summary.config_key, summary.model, summary.dataset, summary.simulated))
+        by_dataset = summary.units_by_dataset()
+        units = [unit for found in by_dataset.values() for unit in found]
+        offsets = dict(zip(by_dataset, np.cumsum([0] + [len(u) for u in by_dataset.values()])))
+        pool = _Pool(summary, units)
+        sizes = {dataset: len(found) for dataset, found in by_dataset.items()}
+        made = [pool.replicate(_counts(_draws(sizes, rng), offsets, len(units))) for _ in range(RESAMPLES)]
+        _CACHE[key] = (summary, made)
+    return _CACHE[key][1]
+
+
+def interval(summary: Summary, metric: str) -> Interval | None:
+    """The 95% interval of one of the summary's figures (a property name)."""
+    if summary.samples == 0:
+        return None
+    return percentile_interval([getattr(r, metric) for r in replicates(summary)], summary.fewest_prompts)
+
+
+def paired(a: Summary, b: Summary) -> tuple[list[Summary], list[Summary], int]:
+    """Replicates of two configurations over the same redrawn prompts (those both ran), and the fewest prompts of any
+    dataset they share."""
+    key = (id(a), id(b))
+    if key not in _CACHE:
+        units_a, units_b = a.units_by_prompt(), b.units_by_prompt()
+        common: dict[str, list] = {}
+        for prompt in sorted(set(units_a) & set(units_b)):
+            common.setdefault(prompt[0], []).append(prompt)
+        prompts = [p for found in common.values() for p in found]
+        offsets = dict(zip(common, np.cumsum([0] + [len(p) for p in common.values()])))
+        pools = _Pool(a, [units_a[p] for p in prompts]), _Pool(b, [units_b[p] for p in prompts])
+        rng = np.random.default_rng(_seed(a.config_key, b.config_key, a.model, a.dataset, a.simulated, b.simulated))
+        made: tuple[list, list] = ([], [])
+        for _ in range(RESAMPLES if prompts else 0):
+            counts = _counts(_draws({d: len(p) for d, p in common.items()}, rng), offsets, len(prompts))
+            made[0].append(pools[0].replicate(counts))
+            made[1].append(pools[1].replicate(counts))
+        _CACHE[key] = ((a, b), [made, min((len(p) for p in common.values()), default=0)])
+    (made_a, made_b), prompts = _CACHE[key][1]
+    return made_a, made_b, prompts
