@@ -9,6 +9,7 @@ shape, its devices) is what every sample of one configuration shares, so the lat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -17,8 +18,6 @@ from typing import Self
 
 def same(default=None):
     """A field every sample of a configuration shares (a shape, a device list): pooled by keeping it, not adding."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"same": True})
     return field(default=default, metadata={"same": True})
 
 
@@ -36,11 +35,10 @@ class Record:
     @classmethod
     def read(cls, raw: dict) -> Self:
         """The record's object as this class; keys it does not declare (the runner's own) are not its business."""
-        hints = typing.get_type_hints(cls)
         values = {}
         for f in fields(cls):
             if f.name in raw:
-                nested = _record_class(hints[f.name])
+                nested = _nested(cls).get(f.name)
                 value = raw[f.name]
                 values[f.name] = nested.read(value) if nested is not None and isinstance(value, dict) else value
         return cls(**values)
@@ -81,10 +79,17 @@ class Record:
         return type(self)(**{f.name: _pool(f, getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
 
-def _record_class(hint) -> type[Record] | None:
-    """The Record class a field holds (also as `X | None`), else None."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    return next((o for o in options if isinstance(o, type) and issubclass(o, Record)), None)
+@functools.cache
+def _nested(cls: type[Record]) -> dict[str, type[Record]]:
+    """The fields of `cls` that hold a Record (also as `X | None`), with its class (read once per class: every
+    record row is read through it)."""
+    found = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        record = next((o for o in options if isinstance(o, type) and issubclass(o, Record)), None)
+        if record is not None:
+            found[name] = record
+    return found
 
 
 def _number(value) -> bool:
@@ -99,7 +104,7 @@ def _pool(f: dataclasses.Field, a, b):
     if isinstance(a, list):
         size = max(len(a), len(b))
         return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(size)]
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
+    if _number(a):
         return a + b
     return b
 

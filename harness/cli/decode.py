@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
+from harness.bench.parity import parity_methods
 from harness.cli import _method_options, _params, _values, list_values, main, param_options, prompt_options
 from harness.reporting.paper import FLAGSHIP, GRID
+from methods.base import REGISTRY
 
 
 def _served() -> str:
-    from methods.base import REGISTRY
-
     return ", ".join(f"{cls.serves} ({cls.name})" for cls in REGISTRY.values() if cls.serves)
 
 
@@ -61,16 +61,10 @@ def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, ma
         click.echo(f"results: {path}")
 
 
-def _parity_families() -> list:
-    from methods.base import REGISTRY
-
-    return [cls for cls in REGISTRY.values() if cls.checks_parity]
-
-
 @main.command()
 @click.option("--method", default=FLAGSHIP, show_default=True,
-              type=click.Choice([cls.name for cls in _parity_families()]))
-@param_options(only=tuple(p for cls in _parity_families() for p in cls.training_params))
+              type=click.Choice(parity_methods()))
+@param_options(only=tuple(p for name in parity_methods() for p in REGISTRY[name].training_params))
 @prompt_options
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (default: the cache).")
 def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate, checkpoint,

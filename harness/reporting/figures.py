@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from harness.reporting.intervals import percentile_interval, replicates  # noqa: E402
+from harness.reporting.intervals import getter, interval, position  # noqa: E402
 from harness.reporting.metrics import Block, Summary, config_label, family, find  # noqa: E402
 from harness.reporting.paper import ScalingFigure  # noqa: E402
 from methods.rounds import DRAFT_POSITIONS  # noqa: E402
@@ -114,11 +114,10 @@ def speedups(summaries: list[Summary], path: Path) -> Path | None:
 
 def _with_errors(shown: list[Summary], figure) -> tuple[list, list[list[float]]]:
     """Each summary's figure and its interval as matplotlib's [below, above] error lengths (0 where none)."""
-    get = figure if callable(figure) else (lambda s: getattr(s, figure))
     values, below, above = [], [], []
     for s in shown:
-        value = get(s)
-        found = None if value is None else percentile_interval([get(r) for r in replicates(s)], s.fewest_prompts)
+        value = getter(figure)(s)
+        found = None if value is None else interval(s, figure)
         values.append(value)
         below.append(max(0.0, value - found.low) if found else 0.0)
         above.append(max(0.0, found.high - value) if found else 0.0)
@@ -154,8 +153,7 @@ def _band(s: Summary) -> tuple[list[float], list[float]]:
     """The 95% interval of the acceptance at each position (nan where there is none)."""
     low, high = [], []
     for k in range(len(s.position_drafts)):
-        get = (lambda k: lambda x: x.position_acceptance[k] if k < len(x.position_drafts) else None)(k)
-        found = percentile_interval([get(r) for r in replicates(s)], s.fewest_prompts)
+        found = interval(s, position(k))
         low.append(found.low if found else float("nan"))
         high.append(found.high if found else float("nan"))
     return low, high

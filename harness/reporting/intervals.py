@@ -12,6 +12,7 @@ little about the next thirty.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,11 +128,25 @@ def replicates(summary: Summary) -> list[Summary]:
     return _CACHE[key][1]
 
 
-def interval(summary: Summary, metric: str) -> Interval | None:
-    """The 95% interval of one of the summary's figures (a property name)."""
+Figure = Callable[[Summary], "float | None"]
+
+
+def getter(figure: str | Figure) -> Figure:
+    """A figure of a summary: a property name, or a function of the summary."""
+    return figure if callable(figure) else (lambda s: getattr(s, figure))
+
+
+def position(k: int) -> Figure:
+    """The acceptance at draft position (or fill level) k."""
+    return lambda s: s.position_acceptance[k] if k < len(s.position_drafts) else None
+
+
+def interval(summary: Summary, figure: str | Figure) -> Interval | None:
+    """The 95% interval of one of the summary's figures (see `getter`)."""
     if summary.samples == 0:
         return None
-    return percentile_interval([getattr(r, metric) for r in replicates(summary)], summary.fewest_prompts)
+    get = getter(figure)
+    return percentile_interval([get(r) for r in replicates(summary)], summary.fewest_prompts)
 
 
 def paired(a: Summary, b: Summary) -> tuple[list[Summary], list[Summary], int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from harness.bench.sweep import GridPoint
 from harness.reporting.intervals import MIN_PROMPTS, Interval, paired, percentile_interval
-from harness.reporting.metrics import OVERALL, Summary, find
+from harness.reporting.metrics import OVERALL, Summary, find, params_label
 from methods.sampling import NO_TRUNCATION
 
 MEAN = "mean"
@@ -338,7 +338,7 @@ def _best(summaries: list[Summary], model: str, method: str, temperature: float,
 
 
 def _name(s: Summary) -> str:
-    return f"{s.method} {' '.join(f'{k}={v}' for k, v in sorted(s.params.items()))}"
+    return f"{s.method} {params_label(s.params)}"
 
 
 def _order_at_t1(summaries: list[Summary], model: str) -> list[Comparison]:

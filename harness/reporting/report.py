@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,17 @@ import pandas as pd
 
 from harness.bench.data import DATASETS
 from harness.bench.sweep import GridPoint
-from harness.reporting.intervals import MIN_PROMPTS, RESAMPLES, Interval, interval, percentile_interval, replicates
+from harness.reporting.intervals import (
+    MIN_PROMPTS,
+    RESAMPLES,
+    Figure,
+    Interval,
+    getter,
+    interval,
+    percentile_interval,
+    position,
+    replicates,
+)
 from harness.reporting.metrics import (
     OVERALL,
     Block,
@@ -67,13 +76,6 @@ class Table:
 _params, _config = params_label, config_label
 
 
-Figure = Callable[[Summary], "float | None"]
-
-
-def _getter(figure: str | Figure) -> Figure:
-    return figure if callable(figure) else (lambda s: getattr(s, figure))
-
-
 def _bracket(found: Interval | None, digits: int) -> str:
     """The interval after a figure; a figure of too few prompts says so instead of printing a tight-looking one."""
     if found is None:
@@ -85,17 +87,15 @@ def _bracket(found: Interval | None, digits: int) -> str:
 
 def _ci(s: Summary | None, figure: str | Figure, digits: int = 2, unit: str = "") -> str:
     """A pooled figure with its 95% bootstrap interval over prompts: "1.20 [1.14, 1.27]" (intervals.py)."""
-    get = _getter(figure)
-    value = None if s is None else get(s)
+    value = None if s is None else getter(figure)(s)
     if value is None:
         return "—"
-    found = percentile_interval([get(r) for r in replicates(s)], s.fewest_prompts)
-    return f"{value:.{digits}f}{unit}" + _bracket(found, digits)
+    return f"{value:.{digits}f}{unit}" + _bracket(interval(s, figure), digits)
 
 
 def _mean_ci(cells: list[Summary], figure: str | Figure, unit: str = "") -> str:
     """The mean over datasets of a figure, its interval from the datasets' replicates averaged draw by draw."""
-    get = _getter(figure)
+    get = getter(figure)
     present = [s for s in cells if get(s) is not None]
     if not present:
         return "—"
@@ -222,14 +222,10 @@ def acceptance_tables(overall: list[Summary]) -> list[Table]:
     tables = []
     for axis, shown in position_axes(overall).items():
         size = max(len(s.position_drafts) for s in shown)
-        rows = [[_config(s), str(s.width), s.sampling] + [_ci(s, _position(k)) for k in range(len(s.position_drafts))]
+        rows = [[_config(s), str(s.width), s.sampling] + [_ci(s, position(k)) for k in range(len(s.position_drafts))]
                 + ["—"] * (size - len(s.position_drafts)) for s in shown]
         tables.append(Table(axis.title, ["config", "width", "T"] + [f"{axis.label} {k}" for k in range(size)], rows))
     return tables
-
-
-def _position(k: int) -> Figure:
-    return lambda s: s.position_acceptance[k] if k < len(s.position_drafts) else None
 
 
 def _reference_value(summaries: list[Summary], model: str, ref: Reference) -> str:

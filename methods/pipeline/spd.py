@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from dataclasses import fields as fields_of
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
-from methods.base import Generation, ImportFormat, Method, param, register
+from methods.base import Generation, ImportFormat, Method, offers, param, register
 from methods.pipeline.drafter import oracle_drafter
 from methods.pipeline.export import REFERENCE
 from methods.pipeline.replay import simulate
@@ -215,8 +214,7 @@ class SPD(Method):
     def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
         """n=4, Ls=1 with random drafters, every schedule the method has, chains and width-4 trees."""
         found = []
-        (schedules,) = [f.metadata["choices"] for f in fields_of(cls.Params) if f.name == "schedule"]
-        for schedule in schedules:
+        for schedule in (s for s in SCHEDULES if offers(cls, {"schedule": s})):
             for width in (1, 4):
                 config = SpeculatorConfig(n=4, ls=1, schedule=schedule, policy=cls.policy, num_layers=target.num_layers)
                 params = cls.Params(n=4, ls=1, schedule=schedule, width=width)
