@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,12 +65,28 @@ def test_parity_command_finds_the_engines_drafter_states_equal_the_training_layo
     assert fills[1]["all_states"] > 0
 
 
+def _gate(tmp_path, monkeypatch, keep, dataset=None) -> Path:
+    """The committed gate's entries that `keep` selects (with `dataset`: rewritten from their records of that dataset
+    alone), as a baseline of their own, decoded with the shipped drafters (a fresh cache: not one trained here)."""
+    from dataclasses import asdict
+
+    from harness.reporting.check import baseline_from
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    entries = [e for e in json.loads((Path(__file__).parent / "baselines" / "regression.json").read_text())
+               if keep(e["run"])]
+    if dataset:
+        entries = [asdict(part) for e in entries
+                   for part in baseline_from([r for r in e["records"] if r["dataset"] == dataset])]
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(entries))
+    return baseline
+
+
 def test_the_gate_fails_when_the_drafter_reads_a_feature_from_the_wrong_depth(tmp_path, monkeypatch):
     """The committed gate's SPD configuration (the shipped flagship) rerun with every row past the embedding fed its
-    deepest feature one layer too shallow (an off-by-one in capture): acceptance drops beyond the tolerance and
-    `check` exits 1."""
-    from pathlib import Path
-
+    deepest feature one layer too shallow (an off-by-one in capture): acceptance drops beyond the margin and `check`
+    exits 1."""
     from methods.pipeline.speculator import SpeculatorConfig
 
     original = SpeculatorConfig.layers_for
@@ -79,13 +96,25 @@ def test_the_gate_fails_when_the_drafter_reads_a_feature_from_the_wrong_depth(tm
         return (*layers[:-1], layers[-1] - 1) if layers[-1] else layers
 
     monkeypatch.setattr(SpeculatorConfig, "layers_for", one_too_shallow)
-    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))  # the shipped drafter, not one trained here
-    gate = Path(__file__).parent / "baselines" / "regression.json"
-    baseline = tmp_path / "spd.json"
-    baseline.write_text(json.dumps([e for e in json.loads(gate.read_text()) if e["run"]["method"] == "spd"]))
+    baseline = _gate(tmp_path, monkeypatch, lambda run: run["method"] == "spd")
     result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--rerun", "--results",
-                                       str(tmp_path / "rerun"), "--tolerance", "0.1"])
+                                       str(tmp_path / "rerun")])
     assert result.exit_code == 1 and "1 of 1 configurations failed" in result.output, result.output
+    assert "acceptance fell beyond the 5% margin" in result.output
+
+
+def test_the_gate_passes_the_same_code_rerun_with_a_seed_its_baseline_never_saw(tmp_path, monkeypatch):
+    """At T=1 another seed samples other tokens: the figures move, within the spread the baseline measured over its
+    seeds and prompts (one dataset's five prompts, to keep the suite short; `make regression` reruns them all)."""
+    baseline = _gate(tmp_path, monkeypatch, lambda run: run["temperature"] > 0, dataset="gsm8k")
+    (entry,) = json.loads(baseline.read_text())
+    seed = max(entry["run"]["seeds"]) + 1
+    assert len(entry["run"]["seeds"]) >= 3 and entry["run"]["samples"].keys() == {"gsm8k"}
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--rerun", "--seed", str(seed),
+                                       "--results", str(tmp_path / "rerun")])
+    assert result.exit_code == 0 and "all configurations pass" in result.output, result.output
+    rows = [json.loads(line) for path in (tmp_path / "rerun").rglob("*.jsonl") for line in path.open()]
+    assert len(rows) == len(entry["run"]["samples"]["gsm8k"]) and {r["seed"] for r in rows} == {seed}
 
 
 def test_ssd_with_the_shipped_eagle3_head_is_lossless_through_the_cli(tmp_path):

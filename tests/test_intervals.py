@@ -75,8 +75,8 @@ def test_a_replicate_that_draws_every_prompt_once_is_the_summary_itself():
     figures = ("tokens_per_step", "acceptance", "l_acc", "theoretical_speedup", "modeled_speedup",
                "reference_theoretical", "wall_clock_median", "expected_acceptance")
     for summary in summarize(rows):
-        units = [u for found in summary.units_by_dataset().values() for u in found]
-        replica = intervals._Pool(summary, units).replicate(np.ones(len(units)))
+        groups = [g for found in summary.prompts().values() for g in found]
+        replica = intervals._Pool(summary, groups).replicate(np.ones(len(groups)))
         for figure in figures:
             ours, theirs = getattr(summary, figure), getattr(replica, figure)
             assert (ours is None) == (theirs is None) and (ours is None or abs(ours - theirs) < 1e-9), figure

@@ -104,11 +104,11 @@ def _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path):  # noqa: F811
     (entry,) = json.loads(baseline.read_text())
     assert entry["run"]["samples"] == {"gsm8k": [0, 1]} and entry["run"]["params"]["width"] == 4
     rerun = ["check", "--baseline", str(baseline), "--rerun", "--model", str(tiny_dir), "--data-dir", str(eval_dir),
-             "--results", str(tmp_path / "rerun"), "--tolerance", "0"]
+             "--results", str(tmp_path / "rerun"), "--margin", "0"]
     result = CliRunner().invoke(main, rerun)
     assert result.exit_code == 0 and "all configurations pass" in result.output, result.output
     assert len((tmp_path / "rerun" / tiny_dir.name / "eagle3.jsonl").read_text().splitlines()) == 2
-    entry["run"]["params"]["ttt"], entry["label"], entry["config_key"] = 5, "untrained head", "other"
+    entry["run"]["params"]["ttt"], entry["label"] = 5, "untrained head"
     baseline.write_text(json.dumps([entry]))
     result = CliRunner().invoke(main, rerun[:-4])  # a fresh temporary folder
     assert result.exit_code == 1 and "no drafter; train it with: spd-bench train --method eagle3" in result.output

@@ -85,28 +85,33 @@ def export(fmt, results, out):
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
                    "(default: a fresh temporary folder).")
-@click.option("--tolerance", type=click.FloatRange(0, 1), default=0.1, show_default=True,
-              help="Largest allowed relative drop of pooled tokens/step and acceptance rate.")
-@click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking.")
+@click.option("--margin", type=click.FloatRange(0, 1), default=0.05, show_default=True,
+              help="A figure fails when its paired 95%% interval lies more than this relative drop below no change.")
+@click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking (runs of one "
+                                            "configuration at several seeds become one entry: use 3 or more at T>0).")
 @click.option("--rerun", is_flag=True, help="Run the baseline's configurations again (same prompts, sampling, lengths, "
-                                            "seed, dtype; drafters from the cache) and check those records.")
+                                            "dtype; drafters from the cache) and check those records.")
+@click.option("--seed", type=int, default=None, help="With --rerun: decode with this seed instead of the baseline's "
+                                                     "first (at T>0 a reseeded rerun must pass).")
 @click.option("--model", default=None, help="With --rerun: target to load instead of the baseline's model name.")
 @device_option
 @data_option
-def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
-    """Exit 1 when acceptance fell beyond the tolerance, a sample lost losslessness, or a configuration is missing."""
+def check(baseline, results, margin, write, rerun, seed, model, device, data_dir):
+    """Exit 1 when a figure fell beyond its noise and the margin, a sample lost losslessness, or a configuration is
+    missing."""
     import tempfile
 
     from harness.reporting import check as regression
-    from harness.reporting.metrics import summarize
 
     if write and rerun:
         raise click.UsageError("--write takes recorded results; drop --rerun")
+    if seed is not None and not rerun:
+        raise click.UsageError("--seed chooses the rerun's seed; add --rerun")
     expected = None if write else regression.read_baseline(baseline)
     if rerun:
         results = results or Path(tempfile.mkdtemp(prefix="spd-bench-check-"))
         results.mkdir(parents=True, exist_ok=True)
-        for problem in regression.rerun(expected, results, model, device, data_dir):
+        for problem in regression.rerun(expected, results, model, device, data_dir, seed):
             click.echo(f"not rerun: {problem}")
         click.echo(f"rerun records: {results}")
     results = results or Path("results")
@@ -114,10 +119,10 @@ def check(baseline, results, tolerance, write, rerun, model, device, data_dir):
     if not rows and not rerun:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     if write:
-        regression.write_baseline(baseline, summarize(rows), rows)
+        regression.write_baseline(baseline, rows)
         click.echo(f"baseline: {baseline}")
         return
-    outcomes = regression.compare(expected, summarize(rows), rows, tolerance)
+    outcomes = regression.compare(expected, rows, margin)
     click.echo(regression.table(outcomes), nl=False)
     failed = [o for o in outcomes if not o.ok]
     click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")

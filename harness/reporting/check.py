@@ -1,11 +1,18 @@
-"""Regression check: pooled acceptance and losslessness of recorded results against a committed baseline.
+"""Regression check: a configuration's figures and losslessness against a committed baseline, within measured noise.
 
-A baseline is a JSON list with one entry per configuration (overall over its datasets): its config key, a label,
-tokens/step, the draft acceptance rate, the sample count and how to run it again (`--rerun`: method, parameters,
-sampling, lengths, seed, dtype and the question ids per dataset). The check fails when a configuration is missing, any
-checked sample is not token-identical to greedy AR, or tokens/step or the acceptance rate fell by more than the
-relative tolerance (the acceptance rate only where the baseline accepted at least MIN_ACCEPTS drafts: fewer are
-noise).
+A baseline is a JSON list with one entry per configuration (overall over its datasets): its label, how to run it again
+(`--rerun`: method, parameters, sampling, lengths, dtype, the question ids per dataset and the seeds it was measured
+at), each checked figure (tokens/step and the draft acceptance rate) pooled over its seeds with its 95% interval over
+the gate's prompts and its value at each seed, and the records it was written from (without their texts).
+
+A rerun decodes the same prompts, so the check compares them prompt by prompt: the relative change of each figure and
+its 95% interval from a paired bootstrap over the prompts (both sides redraw the same prompts; at T>0 a prompt's
+baseline pools its seeds, so the interval holds the spread that sampling with another seed shows). At T>0 a figure
+regressed when its whole interval lies more than the margin below no change: sampling noise passes, a drop the prompts
+agree on fails. At T=0 there is no noise to allow for: a rerun of the same code reproduces every prompt (change +0.0%
+[+0.0%, +0.0%]), so a drop beyond the margin (which absorbs another machine's rounding) is real, even one that only
+some prompts show. The check also fails when a configuration is missing or a checked sample is not
+token-identical to greedy AR.
 """
 
 from __future__ import annotations
@@ -17,30 +24,73 @@ from pathlib import Path
 from harness.bench.config import RunConfig, default_out, load_prompts, validate
 from harness.bench.runner import Runner
 from harness.bench.sweep import missing_drafter
-from harness.reporting.metrics import OVERALL, Summary
+from harness.reporting import intervals
+from harness.reporting.metrics import OVERALL, Summary, summarize
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
 from harness.runtime.results import ResultStore
 
-MIN_ACCEPTS = 20
+FIGURES = {"tokens_per_step": "tokens/step", "acceptance": "acceptance"}
+# What a baseline keeps of each record: enough to pool its figures again (texts, token lists and versions dropped).
+RECORD_FIELDS = ("method", "params", "model", "dataset", "question_id", "temperature", "top_k", "top_p",
+                 "max_new_tokens", "seed", "dtype", "simulated", "config_key", "new_tokens", "steps",
+                 "position_accepts", "lossless", "timing", "stats")
+
+
+@dataclass
+class Figure:
+    """One figure of a baseline configuration: pooled over its seeds, its 95% interval over the gate's prompts (each
+    prompt with all its seeds; `prompts`: the fewest of any dataset) and its value at each seed."""
+
+    value: float
+    low: float
+    high: float
+    prompts: int
+    seeds: list[float]
+
+    def text(self) -> str:
+        spread = f" (seeds: {', '.join(f'{v:.4f}' for v in self.seeds)})" if len(self.seeds) > 1 else ""
+        return f"{self.value:.4f} {intervals.Interval(self.low, self.high, self.prompts).text('.4f')}{spread}"
 
 
 @dataclass
 class Expected:
-    config_key: str
     label: str
-    tokens_per_step: float
-    samples: int
-    acceptance: float | None = None  # share of verified drafts accepted (absent in older baselines)
-    accepts: int = 0  # drafts accepted in the baseline run
-    run: dict | None = None  # how to run it again (absent in older baselines): see run_spec
+    samples: int  # records: prompts x seeds
+    run: dict  # how to run it again: see run_spec
+    figures: dict[str, Figure]  # by Summary property (FIGURES)
+    records: list[dict]  # what the figures pool (RECORD_FIELDS of each record)
+
+    def summary(self) -> Summary:
+        return pooled(self.records)
+
+
+@dataclass
+class Change:
+    """A figure's relative change from the baseline, prompt by prompt, with its paired 95% interval."""
+
+    figure: str
+    baseline: Figure
+    current: float | None
+    change: float | None
+    interval: intervals.Interval | None
+
+    def fell(self, margin: float, sampled: bool) -> bool:
+        """Fell by more than the margin: the change itself, or when sampled its whole interval (beyond the noise)."""
+        if self.change is None or self.change >= -margin:
+            return False
+        return not sampled or (self.interval is not None and self.interval.high < -margin)
+
+    def text(self) -> str:
+        if self.change is None:
+            return "—"
+        return f"{self.change:+.1%}" + ("" if self.interval is None else " " + self.interval.text("+.1%"))
 
 
 @dataclass
 class Outcome:
     expected: Expected
-    current: float | None
-    acceptance: float | None
+    changes: list[Change]
     lossless: str
     verdict: str  # "ok" or why it failed
 
@@ -49,74 +99,109 @@ class Outcome:
         return self.verdict == "ok"
 
 
-def _label(s: Summary) -> str:
+def label(s: Summary) -> str:
     params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()))
     return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}".strip()
 
 
 def run_spec(rows: list[dict]) -> dict:
-    """The RunConfig fields of one configuration's records, its samples as {dataset: [question ids]} and where it ran
-    (local or distributed)."""
+    """The RunConfig fields of one configuration's records, its samples as {dataset: [question ids]}, the seeds its
+    records were decoded with and where it ran (local or distributed)."""
     first = rows[0]
     samples: dict[str, list] = {}
     for row in rows:
-        samples.setdefault(row["dataset"], []).append(row["question_id"])
+        if row["question_id"] not in samples.setdefault(row["dataset"], []):
+            samples[row["dataset"]].append(row["question_id"])
     return {"method": first["method"], "params": first["params"], "model": first["model"]["name"],
             "temperature": first["temperature"], "top_k": first.get("top_k", 0), "top_p": first.get("top_p", 1.0),
-            "max_new_tokens": first["max_new_tokens"], "seed": first["seed"], "dtype": first["dtype"],
-            "simulate": bool(first.get("simulated")), "samples": samples,
+            "max_new_tokens": first["max_new_tokens"], "seeds": sorted({row["seed"] for row in rows}),
+            "dtype": first["dtype"], "simulate": bool(first.get("simulated")), "samples": samples,
             "executor": ((first.get("stats") or {}).get("executor") or {}).get("kind", "local")}
 
 
 def identity(spec: dict) -> str:
-    """What a run must share with a baseline configuration to stand for it: everything in its run_spec, the prompt
-    set taken as a set and the executor (local in baselines older than the field)."""
+    """What a run must share with a baseline configuration to stand for it: everything in its run_spec but the seeds
+    (a reseeded run is the same configuration; the baseline's interval holds its seed spread), the prompt set taken
+    as a set."""
     samples = {dataset: sorted(str(q) for q in ids) for dataset, ids in spec["samples"].items()}
-    return json.dumps({**spec, "samples": samples, "executor": spec.get("executor", "local")}, sort_keys=True)
+    return json.dumps({**{k: v for k, v in spec.items() if k != "seeds"}, "samples": samples}, sort_keys=True)
 
 
-def baseline_from(summaries: list[Summary], rows: list[dict]) -> list[Expected]:
+def pooled(rows: list[dict]) -> Summary:
+    """One configuration's records over all their datasets and seeds as one summary."""
+    (overall,) = [s for s in summarize([{**row, "config_key": "pooled"} for row in rows]) if s.dataset == OVERALL]
+    return overall
+
+
+def configurations(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The records by configuration (label and identity): the runs of one configuration at several seeds together."""
     by_key: dict[str, list[dict]] = {}
     for row in rows:
         by_key.setdefault(row["config_key"], []).append(row)
-    return [Expected(s.config_key, _label(s), round(s.tokens_per_step, 4), s.samples,
-                     None if s.acceptance is None else round(s.acceptance, 4), sum(s.position_accepts),
-                     run_spec(by_key[s.config_key]))
-            for s in summaries if s.dataset == OVERALL and s.tokens_per_step is not None]
+    found: dict[tuple[str, str], list[dict]] = {}
+    for s in summarize(rows):
+        if s.dataset == OVERALL:
+            found.setdefault((label(s), identity(run_spec(by_key[s.config_key]))), []).extend(by_key[s.config_key])
+    return found
 
 
-def write_baseline(path: Path, summaries: list[Summary], rows: list[dict]) -> None:
+def figure(rows: list[dict], name: str) -> Figure | None:
+    summary = pooled(rows)
+    value, interval = getattr(summary, name), intervals.interval(summary, name)
+    if value is None or interval is None:
+        return None
+    by_seed: dict[int, list[dict]] = {}
+    for row in rows:
+        by_seed.setdefault(row["seed"], []).append(row)
+    seeds = [getattr(pooled(found), name) for _, found in sorted(by_seed.items())]
+    return Figure(round(value, 4), round(interval.low, 4), round(interval.high, 4), interval.prompts,
+                  [round(v, 4) for v in seeds])
+
+
+def baseline_from(rows: list[dict]) -> list[Expected]:
+    expected = []
+    for (name, _), found in configurations(rows).items():
+        figures = {key: f for key in FIGURES if (f := figure(found, key)) is not None}
+        if figures:
+            expected.append(Expected(name, len(found), run_spec(found), figures,
+                                     [{k: row[k] for k in RECORD_FIELDS if k in row} for row in found]))
+    return expected
+
+
+def write_baseline(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(e) for e in baseline_from(summaries, rows)], indent=1) + "\n")
+    path.write_text(json.dumps([asdict(e) for e in baseline_from(rows)], indent=1) + "\n")
 
 
 def read_baseline(path: Path) -> list[Expected]:
-    """The baseline's entries; an empty, truncated or mistyped baseline is an error, never a gate that passes."""
+    """The baseline's entries; an empty, truncated, mistyped or older-format baseline is an error, never a gate that
+    passes."""
     try:
         entries = json.loads(Path(path).read_text())
         if not isinstance(entries, list) or not entries:
             raise ValueError("it holds no configurations")
-        expected = [Expected(**entry) for entry in entries]
-        for e in expected:
-            if not (isinstance(e.config_key, str) and isinstance(e.label, str) and isinstance(e.samples, int)
-                    and isinstance(e.tokens_per_step, (int, float)) and isinstance(e.run, (dict, type(None)))):
+        expected = []
+        for entry in entries:
+            entry = dict(entry)
+            entry["figures"] = {name: Figure(**f) for name, f in entry["figures"].items()}
+            e = Expected(**entry)
+            if not (isinstance(e.label, str) and isinstance(e.samples, int) and isinstance(e.run, dict)
+                    and e.records and set(e.figures) <= set(FIGURES)):
                 raise ValueError(f"entry {e.label!r} has a field of the wrong type")
+            expected.append(e)
         return expected
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise HarnessError(f"cannot read baseline {path} ({exc}); write one with spd-bench check --write") from None
 
 
-def rerun(baseline: list[Expected], results: Path, model: str | None, device: str, data_dir: str | None
-          ) -> list[str]:
+def rerun(baseline: list[Expected], results: Path, model: str | None, device: str, data_dir: str | None,
+          seed: int | None = None) -> list[str]:
     """Run every baseline configuration again into `results` (resuming what is there): same prompts, sampling,
-    lengths, seed and dtype, the drafter from the cache. Returns why configurations could not run (they then count
-    as missing)."""
+    lengths and dtype, at `seed` (default: the baseline's first), the drafter from the cache. Returns why
+    configurations could not run (they then count as missing)."""
     loaded_models, problems = {}, []
     for expected in baseline:
-        if expected.run is None:
-            problems.append(f"{expected.label}: the baseline has no run configuration; rewrite it with --write")
-            continue
-        config, wanted = _config(expected.run, model, device, data_dir)
+        config, wanted = _config(expected.run, model, device, data_dir, seed)
         validate(config)
         samples = [s for s in load_prompts(config) if str(s.question_id) in wanted[s.dataset]]
         if len(samples) < sum(len(ids) for ids in wanted.values()):
@@ -138,57 +223,69 @@ def rerun(baseline: list[Expected], results: Path, model: str | None, device: st
     return problems
 
 
-def _config(spec: dict, model: str | None, device: str, data_dir: str | None) -> tuple[RunConfig, dict[str, set]]:
+def _config(spec: dict, model: str | None, device: str, data_dir: str | None, seed: int | None
+            ) -> tuple[RunConfig, dict[str, set]]:
     wanted = {dataset: {str(q) for q in ids} for dataset, ids in spec["samples"].items()}
+    # No AR timed beside each sample: the gate checks figures, not speed (at T=0 AR still decodes each prompt once,
+    # the losslessness reference).
     config = RunConfig(method=spec["method"], params=dict(spec["params"]), model=model or spec["model"],
                        datasets=tuple(wanted), temperature=spec["temperature"], top_k=spec["top_k"],
-                       top_p=spec["top_p"], max_new_tokens=spec["max_new_tokens"], seed=spec["seed"], device=device,
-                       dtype=spec["dtype"], data_dir=data_dir, simulate=spec["simulate"])
+                       top_p=spec["top_p"], max_new_tokens=spec["max_new_tokens"],
+                       seed=spec["seeds"][0] if seed is None else seed, device=device, dtype=spec["dtype"],
+                       data_dir=data_dir, simulate=spec["simulate"], baseline=False)
     return config, wanted
 
 
-def compare(baseline: list[Expected], summaries: list[Summary], rows: list[dict], tolerance: float) -> list[Outcome]:
-    """Each baseline configuration against the run of the same label and identity (lengths, prompt set, sampling,
-    seed, dtype, executor); a run that differs in any of them is not that configuration, so it counts as missing. The
-    config key is not required to match: a retrained drafter changes it (it includes the weights' hash)."""
-    by_key: dict[str, list[dict]] = {}
-    for row in rows:
-        by_key.setdefault(row["config_key"], []).append(row)
-    found = {(_label(s), identity(run_spec(by_key[s.config_key]))): s
-             for s in summaries if s.dataset == OVERALL and s.config_key in by_key}
+def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[Outcome]:
+    """Each baseline configuration against the records of the same label and identity (lengths, prompt set,
+    sampling, dtype, executor; any seeds); a run that differs in any of them is not that configuration, so it counts
+    as missing. The config key is not required to match: a retrained drafter changes it (it includes the weights'
+    hash)."""
+    found = configurations(rows)
     outcomes = []
     for expected in baseline:
-        s = found.get((expected.label, identity(expected.run))) if expected.run else None
-        if s is None:
-            outcomes.append(Outcome(expected, None, None, "—", "missing"))
+        current = found.get((expected.label, identity(expected.run)))
+        if current is None:
+            outcomes.append(Outcome(expected, [], "—", "missing"))
             continue
-        lossless = f"{s.identical}/{s.checked}"
-        if s.identical < s.checked:
+        now = pooled(current)
+        changes = [_change(name, f, expected.summary(), now) for name, f in expected.figures.items()]
+        sampled = expected.run["temperature"] > 0
+        fell = [c for c in changes if c.fell(margin, sampled)]
+        if now.identical < now.checked:
             verdict = "lost losslessness"
-        elif s.tokens_per_step < expected.tokens_per_step * (1 - tolerance):
-            verdict = f"tokens/step fell more than {tolerance:.0%}"
-        elif (expected.acceptance is not None and expected.accepts >= MIN_ACCEPTS
-              and (s.acceptance or 0.0) < expected.acceptance * (1 - tolerance)):
-            verdict = f"acceptance fell more than {tolerance:.0%}"
+        elif fell:
+            beyond = "its noise and " if sampled else ""
+            verdict = "; ".join(f"{FIGURES[c.figure]} fell beyond {beyond}the {margin:.0%} margin" for c in fell)
         else:
             verdict = "ok"
-        outcomes.append(Outcome(expected, s.tokens_per_step, s.acceptance, lossless, verdict))
+        outcomes.append(Outcome(expected, changes, f"{now.identical}/{now.checked}" if now.checked else "—", verdict))
     return outcomes
+
+
+def _change(name: str, baseline: Figure, before: Summary, now: Summary) -> Change:
+    """The figure's relative change now/before - 1 and its interval over the prompts both decoded, redrawn together."""
+    current = getattr(now, name)
+    if current is None or not baseline.value:
+        return Change(name, baseline, current, None, None)
+    replicas_before, replicas_now, prompts = intervals.paired(before, now)
+    ratios = [None if (b := getattr(x, name)) in (None, 0) or (a := getattr(y, name)) is None else a / b - 1
+              for x, y in zip(replicas_before, replicas_now)]
+    return Change(name, baseline, current, current / getattr(before, name) - 1,
+                  intervals.percentile_interval(ratios, prompts))
 
 
 def table(outcomes: list[Outcome]) -> str:
     from tabulate import tabulate
 
-    rows = [(o.expected.label, *_pair(o.expected.tokens_per_step, o.current), *_pair(o.expected.acceptance, o.acceptance),
-             o.lossless, o.verdict) for o in outcomes]
-    return tabulate(rows, headers=["config", "baseline tokens/step", "current", "change", "baseline acceptance",
-                                   "current", "change", "lossless", "verdict"],
+    rows = []
+    for o in outcomes:
+        run = o.expected.run
+        size = f"{sum(len(ids) for ids in run['samples'].values())} x {len(run['seeds'])}"
+        for c in o.changes or [None]:
+            rows.append((o.expected.label, size, FIGURES[c.figure] if c else "—", c.baseline.text() if c else "—",
+                         "—" if c is None or c.current is None else f"{c.current:.4f}", c.text() if c else "—",
+                         o.lossless, o.verdict))
+    return tabulate(rows, headers=["config", "prompts x seeds", "figure", "baseline [95% interval over prompts]",
+                                   "current", "change [paired 95% interval]", "lossless", "verdict"],
                     tablefmt="pipe", disable_numparse=True) + "\n"
-
-
-def _pair(expected: float | None, current: float | None) -> tuple[str, str, str]:
-    """Baseline, current and relative change cells."""
-    def fmt(value):
-        return "—" if value is None else f"{value:.4f}"
-    change = "—" if expected in (None, 0) or current is None else f"{current / expected - 1:+.1%}"
-    return fmt(expected), fmt(current), change

@@ -37,6 +37,12 @@ class Interval:
     def excludes(self, value: float) -> bool:
         return not self.low <= value <= self.high
 
+    def text(self, form: str = ".2f") -> str:
+        """"[low, high]"; an interval of too few prompts says so instead of printing a tight-looking one."""
+        if not self.reliable:
+            return f"[{self.prompts} prompt{'' if self.prompts == 1 else 's'}: too few]"
+        return f"[{self.low:{form}}, {self.high:{form}}]"
+
 
 def percentile_interval(values: list[float], prompts: int) -> Interval | None:
     """The central LEVEL share of replicate values; None when most replicates have no value."""
@@ -73,20 +79,22 @@ def _leaves(s: Summary) -> dict[tuple, float]:
 
 
 class _Pool:
-    """A summary's samples as rows of numbers, so that a replicate's sums are one weighted sum of rows."""
+    """A summary's prompts as rows of numbers (each the sum over the samples that decoded it), so that a replicate's
+    sums are one weighted sum of rows."""
 
-    def __init__(self, summary: Summary, units: list):
-        self.template, self.units = summary, units
+    def __init__(self, summary: Summary, groups: list[list]):
+        self.template, self.groups = summary, groups
         leaves = []
-        for unit in units:
+        for group in groups:
             one = summary.empty()
-            one.add_unit(unit)
+            for unit in group:
+                one.add_unit(unit)
             leaves.append(_leaves(one))
         self.keys = sorted({key for found in leaves for key in found}, key=str)
         self.matrix = np.array([[found.get(key, 0.0) for key in self.keys] for found in leaves], dtype=float)
 
     def replicate(self, counts: np.ndarray) -> Summary:
-        """The summary of the samples taken `counts[i]` times each."""
+        """The summary of the prompts taken `counts[i]` times each."""
         values = dict(zip(self.keys, counts @ self.matrix))
         replica = self.template.empty()
         for name in SCALARS:
@@ -97,13 +105,14 @@ class _Pool:
         if self.template.stats is not None:
             replica.stats = self.template.stats.with_leaves({key[1:]: v for key, v in values.items()
                                                              if key[0] == "stats"})
-        replica.units = [unit for unit, count in zip(self.units, counts) for _ in range(int(count))]
+        replica.units = [unit for group, count in zip(self.groups, counts) for _ in range(int(count))
+                         for unit in group]
         replica.lengths = [(row["new_tokens"], row["steps"]) for row, _ in replica.units]
         return replica
 
 
 def _counts(draws: dict[str, np.ndarray], offsets: dict[str, int], size: int) -> np.ndarray:
-    """How often each sample was drawn, samples ordered dataset by dataset."""
+    """How often each prompt was drawn, prompts ordered dataset by dataset."""
     counts = np.zeros(size)
     for dataset, picks in draws.items():
         np.add.at(counts, picks + offsets[dataset], 1)
@@ -118,12 +127,12 @@ def replicates(summary: Summary) -> list[Summary]:
     key = (id(summary),)
     if key not in _CACHE:
         rng = np.random.default_rng(_seed(summary.config_key, summary.model, summary.dataset, summary.simulated))
-        by_dataset = summary.units_by_dataset()
-        units = [unit for found in by_dataset.values() for unit in found]
-        offsets = dict(zip(by_dataset, np.cumsum([0] + [len(u) for u in by_dataset.values()])))
-        pool = _Pool(summary, units)
+        by_dataset = summary.prompts()
+        groups = [group for found in by_dataset.values() for group in found]
+        offsets = dict(zip(by_dataset, np.cumsum([0] + [len(g) for g in by_dataset.values()])))
+        pool = _Pool(summary, groups)
         sizes = {dataset: len(found) for dataset, found in by_dataset.items()}
-        made = [pool.replicate(_counts(_draws(sizes, rng), offsets, len(units))) for _ in range(RESAMPLES)]
+        made = [pool.replicate(_counts(_draws(sizes, rng), offsets, len(groups))) for _ in range(RESAMPLES)]
         _CACHE[key] = (summary, made)
     return _CACHE[key][1]
 

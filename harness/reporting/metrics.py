@@ -121,19 +121,22 @@ class Summary:
             self.baseline_tokens += row["baseline"]["new_tokens"]
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
 
-    def units_by_dataset(self) -> dict[str, list]:
-        found: dict[str, list] = {}
+    def prompts(self) -> dict[str, list[list]]:
+        """Each dataset's prompts in the order first met, each as the samples that decoded it (one per run: several
+        when runs with different seeds are pooled, as in a regression baseline)."""
+        found: dict[str, dict[str, list]] = {}
         for unit in self.units:
-            found.setdefault(unit[0]["dataset"], []).append(unit)
-        return found
+            found.setdefault(unit[0]["dataset"], {}).setdefault(str(unit[0]["question_id"]), []).append(unit)
+        return {dataset: list(by_id.values()) for dataset, by_id in found.items()}
 
-    def units_by_prompt(self) -> dict[tuple[str, str], tuple]:
-        return {(unit[0]["dataset"], str(unit[0]["question_id"])): unit for unit in self.units}
+    def units_by_prompt(self) -> dict[tuple[str, str], list]:
+        return {(dataset, str(group[0][0]["question_id"])): group
+                for dataset, groups in self.prompts().items() for group in groups}
 
     @property
     def fewest_prompts(self) -> int:
-        """The fewest samples of any dataset this summary pools (an interval's reliability)."""
-        return min((len(units) for units in self.units_by_dataset().values()), default=0)
+        """The fewest prompts of any dataset this summary pools (an interval's reliability)."""
+        return min((len(groups) for groups in self.prompts().values()), default=0)
 
     @property
     def width(self) -> int:

@@ -77,12 +77,8 @@ _params, _config = params_label, config_label
 
 
 def _bracket(found: Interval | None, digits: int) -> str:
-    """The interval after a figure; a figure of too few prompts says so instead of printing a tight-looking one."""
-    if found is None:
-        return ""
-    if not found.reliable:
-        return f" [{found.prompts} prompt{'' if found.prompts == 1 else 's'}: too few]"
-    return f" [{found.low:.{digits}f}, {found.high:.{digits}f}]"
+    """The interval after a figure (see Interval.text)."""
+    return "" if found is None else " " + found.text(f".{digits}f")
 
 
 def _ci(s: Summary | None, figure: str | Figure, digits: int = 2, unit: str = "") -> str:
