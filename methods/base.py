@@ -192,6 +192,14 @@ class Method(ABC):
         return None
 
     @classmethod
+    def relative_cost(cls, params, simulate: bool) -> float:
+        """A sample's rough cost against autoregressive decoding's 1 (AR timed beside it included), for balancing a
+        sweep's shards: a replay costs about one teacher-forced pass beside AR; executed in one process, each rank
+        the family serves (pipeline stages, a drafter) runs its share one after another."""
+        served = cls.served(params)
+        return 2.0 if simulate else 3.0 + (served[0] if served else 0)
+
+    @classmethod
     def check_model(cls, params, num_layers: int) -> None:
         """Raise ValueError when these parameters cannot run on a target with `num_layers` layers."""
 

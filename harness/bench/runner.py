@@ -26,7 +26,7 @@ from harness.bench.data import Sample, render_prompt
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
 from harness.runtime.lossless import ReferenceCache, compare, not_checked
-from harness.runtime.models import LoadedModel, load_model, stop_ids
+from harness.runtime.models import LoadedModel, ModelIdentity, load_model, stop_ids
 from harness.runtime.provenance import versions
 from harness.runtime.results import Record, ResultStore, config_key
 from harness.runtime.target import TargetRuntime
@@ -40,6 +40,26 @@ def sample_seed(seed: int, sample: Sample) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+def run_key(config: RunConfig, identity: ModelIdentity, device_type: str) -> str:
+    """The configuration key of a run's records: everything that defines it (method, parameters, model weights,
+    sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights)."""
+    drafter = drafter_fingerprint(config, identity)
+    return config_key({
+        "method": config.method,
+        "params": config.params,
+        "model": identity.to_dict(),
+        **config.sampling().to_dict(),
+        "max_new_tokens": config.max_new_tokens,
+        "seed": config.seed,
+        "dtype": config.dtype_name,
+        "device": device_type,
+        **({"simulated": True} if config.simulate else {}),
+        **({"executor": {"kind": "distributed", "world_size": len(config.stage_devices) + 1,
+                         "devices": config.stage_devices}} if config.executor == "distributed" else {}),
+        **({"drafter": drafter} if drafter else {}),
+    })
+
+
 class Runner:
     """Runs one configuration over its prompts; the method sees only the target runtime and the prompt ids."""
 
@@ -49,21 +69,7 @@ class Runner:
         self.sampling = config.sampling()
         self.stop_ids = stop_ids(loaded)
         self.drafter = drafter_fingerprint(config, loaded.identity)
-        spec = {
-            "method": config.method,
-            "params": config.params,
-            "model": loaded.identity.to_dict(),
-            **self.sampling.to_dict(),
-            "max_new_tokens": config.max_new_tokens,
-            "seed": config.seed,
-            "dtype": config.dtype_name,
-            "device": loaded.device.type,
-            **({"simulated": True} if config.simulate else {}),
-            **({"executor": {"kind": "distributed", "world_size": len(config.stage_devices) + 1,
-                             "devices": config.stage_devices}} if config.executor == "distributed" else {}),
-            **({"drafter": self.drafter} if self.drafter else {}),
-        }
-        self.key = config_key(spec)
+        self.key = run_key(config, loaded.identity, loaded.device.type)
         self.references = ReferenceCache(loaded, config.dtype_name, self.stop_ids)
         self.target: TargetRuntime | None = None
 

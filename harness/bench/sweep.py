@@ -15,7 +15,7 @@ from harness.bench.runner import Runner
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
-from harness.runtime.results import ResultStore
+from harness.runtime.results import ResultStore, load_all
 from methods.base import REGISTRY, check_fit, offers, parse_params
 from methods.sampling import NO_TRUNCATION
 
@@ -57,13 +57,13 @@ class GridPoint:
 
 @dataclass
 class Skipped:
-    point: GridPoint
+    label: str  # the configuration (a work item: on which dataset)
     reason: str
 
 
 @dataclass
 class SweepOutcome:
-    ran: dict[GridPoint, int]  # samples run now per point (0: already finished)
+    ran: dict[str, int]  # samples run now per configuration label (0: already finished)
     skipped: list[Skipped]
     files: set[Path]
 
@@ -106,34 +106,53 @@ def missing_drafter(config: RunConfig, identity) -> str | None:
     return found[1]
 
 
-def sweep(points: list[GridPoint], base: RunConfig, results: Path | None) -> SweepOutcome:
-    configs = {point: replace(base, method=point.method, params=point.param_dict, temperature=point.temperature,
-                              top_k=point.top_k, top_p=point.top_p)
-               for point in points}
-    for config in configs.values():
+def configs(points: list[GridPoint], base: RunConfig) -> dict[str, RunConfig]:
+    """Each point's run configuration by label (records to the default file of its method)."""
+    return {point.label(): replace(base, method=point.method, params=point.param_dict, temperature=point.temperature,
+                                   top_k=point.top_k, top_p=point.top_p)
+            for point in points}
+
+
+def sweep(jobs: dict[str, RunConfig], base: RunConfig, results: Path | None) -> SweepOutcome:
+    """Run each job (a label and its configuration: its datasets and, if set, its own results file) with one model
+    load and one progress bar, resuming: a sample already recorded anywhere under the results root is not run again."""
+    root = results or Path("results")
+    for config in jobs.values():
         validate(config)  # bad input fails before the model loads
-    samples = load_prompts(base)
+    prompts = {sets: load_prompts(replace(base, datasets=sets)) for sets in {c.datasets for c in jobs.values()}}
     loaded = load_model(base.model, base.device, base.dtype)
+    recorded = recorded_samples(root)
     skipped, runners = [], {}
-    for config in configs.values():
+    for config in jobs.values():
         check_fit(config.method, config.params, len(loaded.model.model.layers))
-    for point, config in configs.items():
+    for label, config in jobs.items():
         command = missing_drafter(config, loaded.identity)
         if command is not None:
-            skipped.append(Skipped(point, f"no drafter; train it with: {command}"))
+            skipped.append(Skipped(label, f"no drafter; train it with: {command}"))
             continue
-        store = ResultStore(default_out(config, loaded.identity.name, results or Path("results")))
+        store = ResultStore(config.out or default_out(config, loaded.identity.name, root))
         store.load()
-        runners[point] = (Runner(config, loaded), store)
-    todo = {point: runner.todo(samples, store) for point, (runner, store) in runners.items()}
-    outcome = SweepOutcome({}, skipped, {store.path for _, store in runners.values()})
+        runner = Runner(config, loaded)
+        own = store.finished()  # recorded in its own file: the run resumes them (and says so)
+        samples = [s for s in prompts[config.datasets]
+                   if (key := (runner.key, s.dataset, str(s.question_id))) not in recorded or key in own]
+        runners[label] = (runner, store, samples)
+    todo = {label: runner.todo(samples, store) for label, (runner, store, samples) in runners.items()}
+    outcome = SweepOutcome({}, skipped, {store.path for _, store, _ in runners.values()})
     with tqdm(total=sum(len(t) for t in todo.values()), desc="sweep", unit="sample", dynamic_ncols=True) as bar:
-        for point, (runner, store) in runners.items():
-            bar.set_description(point.label())
+        for label, (runner, store, samples) in runners.items():
+            bar.set_description(label)
             try:
-                outcome.ran[point] = runner.run(samples, store, bar)
+                outcome.ran[label] = runner.run(samples, store, bar)
             except HarnessError as exc:  # this model or mode cannot run the point (e.g. trees on linear attention)
                 bar.total -= len(runner.todo(samples, store))
                 bar.refresh()
-                outcome.skipped.append(Skipped(point, str(exc)))
+                outcome.skipped.append(Skipped(label, str(exc)))
     return outcome
+
+
+def recorded_samples(root: Path) -> set[tuple[str, str, str]]:
+    """Every sample recorded under the results root, in any file (another shard's, a one-process sweep's)."""
+    if not root.exists():
+        return set()
+    return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in load_all(root).rows}

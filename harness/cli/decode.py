@@ -98,17 +98,33 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
               help="Top-p of the T>0 points (the paper samples with 0.95).")
 @prompt_options
 @click.option("--results", type=click.Path(path_type=Path), default=None,
-              help="Results root (default results/): records go to <root>/<model>/<method>.jsonl.")
+              help="Results root (default results/): records go to <root>/<model>/<method>.jsonl, or with --shard, "
+                   "--per-dataset and in --plan's commands to <root>/<model>/<method>/<work item>.jsonl.")
+@click.option("--plan", "show_plan", is_flag=True,
+              help="Print the work items' `spd-bench run` commands, one per line, largest first; run nothing.")
+@click.option("--json", "as_json", is_flag=True,
+              help="With --plan: a JSON list (index, name, shard, cost, out, command).")
+@click.option("--per-dataset", is_flag=True,
+              help="One work item per configuration and dataset (not per configuration).")
+@click.option("--shard", default=None, help="I/N: only the work items of shard I of N (balanced by cost; N jobs with "
+                                            "the same options cover the grid once).")
+@click.option("--missing", is_flag=True, help="With --plan: only the items whose records under --results are "
+                                              "incomplete (a second wave reruns just those).")
 def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, max_new_tokens, limit, seed, device,
-          dtype, data_dir, results, simulate, **param_values):
-    """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed)."""
+          dtype, data_dir, results, simulate, show_plan, as_json, per_dataset, shard, missing, **param_values):
+    """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed).
+    With --plan, print its work items for a cluster scheduler; with --shard I/N, run one shard of them."""
     from harness.bench.config import RunConfig
-    from harness.bench.sweep import grid
+    from harness.bench.plan import incomplete, parse_shard, plan
+    from harness.bench.plan import shard as shard_of
+    from harness.bench.sweep import configs, grid
     from harness.bench.sweep import sweep as run_sweep
     from harness.reporting.paper import paper_grid
 
     if (preset is None) == (methods is None):
         raise click.UsageError("pass either --preset paper or --method LIST")
+    if (missing or as_json) and not show_plan:
+        raise click.UsageError("--missing and --json shape the printed plan; add --plan")
     if preset:
         points = paper_grid()
     else:
@@ -116,14 +132,43 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
         points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths), (top_k, top_p))
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)
-    outcome = run_sweep(points, base, results)
-    ran = sum(1 for count in outcome.ran.values() if count)
-    click.echo(f"{len(outcome.ran)} of {len(points)} configurations complete ({ran} ran now); "
+    root = results or Path("results")
+    items = plan(points, base, per_dataset)
+    index, count = parse_shard(shard) if shard else (1, 1)
+    mine = shard_of(items, index, count)
+    if show_plan:
+        _print_plan(incomplete(mine, base, root) if missing else mine, items, base, root, count, as_json)
+        return
+    if shard or per_dataset:
+        jobs = {item.label(): item.config(base, root) for item in mine}
+        click.echo(f"shard {index}/{count}: {len(mine)} of {len(items)} work items")
+    else:
+        jobs = configs(points, base)
+    outcome = run_sweep(jobs, base, results)
+    ran = sum(1 for done in outcome.ran.values() if done)
+    click.echo(f"{len(outcome.ran)} of {len(jobs)} configurations complete ({ran} ran now); "
                f"results: {', '.join(str(f) for f in sorted(outcome.files)) or 'none'}")
     reasons: dict[str, list[str]] = {}
     for skip in outcome.skipped:
-        reasons.setdefault(skip.reason, []).append(skip.point.label())
+        reasons.setdefault(skip.reason, []).append(skip.label)
     for reason, labels in reasons.items():
         click.echo(f"skipped {len(labels)}: {reason}\n  " + "\n  ".join(labels))
     if outcome.skipped:
         raise SystemExit(1)
+
+
+def _print_plan(shown, items, base, root, count, as_json):
+    """The plan's items (`shown`: a shard's, or its incomplete ones) with their index in the whole plan and shard."""
+    import json
+
+    from harness.bench.plan import shard as shard_of
+
+    owner = {item: i for i in range(1, count + 1) for item in shard_of(items, i, count)}
+    entries = [{"index": items.index(item) + 1, "name": item.name, "label": item.label(), "shard": owner[item],
+                "cost": round(item.cost), "out": str(item.out(base, root)), "command": item.command(base, root)}
+               for item in shown]
+    if as_json:
+        click.echo(json.dumps(entries, indent=1))
+    else:
+        for entry in entries:
+            click.echo(entry["command"])

@@ -11,16 +11,19 @@ from harness.reporting.export import formats, formats_help
 from harness.runtime.errors import HarnessError
 
 
-def _records(results: Path) -> list[dict]:
-    """One record per sample under `results`, saying when duplicates (e.g. two runs on one file) were dropped, which
-    files were not results files, and what code the records come from."""
+def _records(results: Path | tuple[Path, ...]) -> list[dict]:
+    """One record per sample under `results` (several paths: shards' folders, merged), saying what each path held,
+    when duplicates (e.g. two runs on one file) were dropped, which files were not results files, and what code the
+    records come from."""
     from harness.runtime.provenance import code_identity
     from harness.runtime.results import code_notes, load_all
 
-    loaded = load_all(results)
+    loaded = load_all(list(results) if isinstance(results, tuple) else results)
+    if len(loaded.sources) > 1:
+        for path, files, rows in loaded.sources:
+            click.echo(f"note: read {rows} records from {files} results files under {path}", err=True)
     if loaded.duplicates:
-        click.echo(f"note: {loaded.duplicates} duplicate records of the same samples under {results} were counted "
-                   f"once", err=True)
+        click.echo(f"note: {loaded.duplicates} duplicate records of the same samples were counted once", err=True)
     for path in loaded.foreign:
         click.echo(f"note: {path} is not a results file (no record on its first line): skipped", err=True)
     for note in code_notes(loaded.rows, code_identity()):
@@ -28,9 +31,13 @@ def _records(results: Path) -> list[dict]:
     return loaded.rows
 
 
+results_option = click.option("--results", type=click.Path(path_type=Path), multiple=True, default=(Path("results"),),
+                              show_default=True, help="Results file or folder; repeat to merge several (shards' "
+                                                      "folders: duplicates of a sample count once).")
+
+
 @main.command()
-@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
-              help="Results file or folder.")
+@results_option
 @click.option("--format", "fmt", type=click.Choice(["markdown", "latex", "csv"]), default="markdown", show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
 @click.option("--summary", is_flag=True, help="Only the table of acceptance and speedups per configuration (markdown).")
@@ -45,13 +52,13 @@ def report(results, fmt, out, summary):
         check_out_path(out, folder=False)
     rows = _records(results)
     if not rows:
-        raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
+        raise HarnessError(f"no result records under {', '.join(map(str, results))}; run `spd-bench run` first")
     summaries = summarize(rows)
     if summary:
         text = markdown_summary(summaries)
     elif fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
         figures = render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent,
-                                 train_rows=load_training(results))
+                                 train_rows=load_training(list(results)))
         text = RENDERERS[fmt](summaries, figures)
     else:
         text = RENDERERS[fmt](summaries)
@@ -67,8 +74,7 @@ def report(results, fmt, out, summary):
 
 @main.command()
 @click.option("--format", "fmt", type=click.Choice(list(formats())), required=True, help=formats_help())
-@click.option("--results", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
-              help="Results file or folder.")
+@results_option
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
 def export(fmt, results, out):
     """Our records in another tool's format, one file per configuration."""

@@ -126,6 +126,12 @@ def check_model_spec(spec: str) -> None:
     )
 
 
+def model_name(spec: str) -> str:
+    """The name records and results folders give `--model` (as resolve_model_dir), without fetching or converting."""
+    path = Path(spec).expanduser()
+    return path.resolve().name if spec not in EMBEDDED and path.is_dir() else spec
+
+
 def resolve_model_dir(spec: str) -> tuple[str, Path]:
     """Map `--model` to (display name, local folder): embedded name, local folder, or hub id."""
     if spec in EMBEDDED:

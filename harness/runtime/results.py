@@ -8,10 +8,12 @@ record (so a file that is not a results file is never touched); a second writer 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -112,11 +114,7 @@ class ResultStore:
         except OSError as exc:
             raise self._unreadable(exc) from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise HarnessError(f"results file {self.path} is being written by another spd-bench run; wait for it "
-                                   f"to finish or pass another --out") from None
+            self._lock(fd)
             self.load()  # every complete line is a record: this is a results file, ours to repair
             size = os.fstat(fd).st_size
             data = os.pread(fd, size, 0)
@@ -131,6 +129,21 @@ class ResultStore:
             if created and os.fstat(fd).st_size == 0:
                 self.path.unlink(missing_ok=True)
             os.close(fd)
+    def _lock(self, fd: int) -> None:
+        """Hold the file alone; a filesystem without locks (some network and FUSE mounts) cannot refuse a second
+        writer, so the run goes on with a warning: sweep shards and plan items never share a file."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HarnessError(f"results file {self.path} is being written by another spd-bench run; wait for it "
+                               f"to finish or pass another --out") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            warnings.warn(f"{self.path}: its filesystem does not lock files ({os.strerror(exc.errno)}), so a second "
+                          f"run on this file would not be refused; give each job its own file (sweep --shard, "
+                          f"sweep --plan) or --out", stacklevel=2)
+
     def finished(self) -> set[tuple[str, str, str]]:
         return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in self.load()}
 
@@ -152,10 +165,10 @@ class ResultStore:
             ) from None
 
 
-def load_training(results: Path) -> list[dict]:
-    """The drafter training records (`spd-bench train`) in a results file or folder, the latest per drafter."""
-    results = Path(results)
-    files = [results] if results.is_file() else sorted(results.rglob("train.jsonl"))
+def load_training(results: Path | list[Path]) -> list[dict]:
+    """The drafter training records (`spd-bench train`) in results files or folders, the latest per drafter."""
+    paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
+    files = [f for path in paths for f in ([path] if path.is_file() else sorted(path.rglob("train.jsonl")))]
     latest = {}
     for row in (row for f in files for row in ResultStore(f).load() if row.get("kind") == "train"):
         latest[(row["model"]["name"], row["config_key"])] = row
@@ -176,29 +189,37 @@ def claims_to_be_results(path: Path) -> bool:
 
 @dataclass
 class Loaded:
-    """The sample records under a results path, one per (config key, dataset, question id), and what was left out."""
+    """The sample records under one or more results paths, one per (config key, dataset, question id), and what was
+    left out."""
 
     rows: list[dict]
     duplicates: int  # records of a sample already found (two runs on one file, say): counted once
     foreign: list[Path]  # JSONL files that are not results files (exports, other tools' output): skipped
+    sources: list[tuple[Path, int, int]] = field(default_factory=list)  # each path: its results files and records
 
 
-def load_all(results: Path) -> Loaded:
-    """Every sample record in a results file or in all *.jsonl files under a folder (the first found of a sample)."""
-    results = Path(results)
-    if not results.exists():
-        raise HarnessError(f"results path {results} does not exist; run `spd-bench run` first or pass --results")
-    if results.is_file():
-        files, foreign = [results], []
-    else:
-        candidates = sorted(results.rglob("*.jsonl"))
-        foreign = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
-        files = [f for f in candidates if f not in foreign]
-    found = [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
+def load_all(results: Path | list[Path]) -> Loaded:
+    """Every sample record in each results file, or in all *.jsonl files under each folder (shards' folders, say),
+    the first found of a sample."""
+    paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
+    found, foreign, sources = [], [], []
+    for path in paths:
+        if not path.exists():
+            raise HarnessError(f"results path {path} does not exist; run `spd-bench run` first or pass --results")
+        if path.is_file():
+            files = [path]
+        else:
+            candidates = sorted(path.rglob("*.jsonl"))
+            skipped = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
+            foreign += skipped
+            files = [f for f in candidates if f not in skipped]
+        rows = [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
+        sources.append((path, len(files), len(rows)))
+        found += rows
     unique = {}
     for row in found:
         unique.setdefault((row["config_key"], row.get("dataset"), str(row.get("question_id"))), row)
-    return Loaded(list(unique.values()), len(found) - len(unique), foreign)
+    return Loaded(list(unique.values()), len(found) - len(unique), foreign, sources)
 
 
 def code_notes(rows: list[dict], current: dict) -> list[str]:

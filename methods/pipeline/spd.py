@@ -211,6 +211,11 @@ class SPD(Method):
         return params.n, f"--n {params.n} needs one per stage"
 
     @classmethod
+    def relative_cost(cls, params: PipelineParams, simulate: bool) -> float:
+        """Trees verify `width` candidates per position: a width-4 sample took about 3x a chain's here."""
+        return super().relative_cost(params, simulate) * (1 if params.width == 1 or simulate else 3)
+
+    @classmethod
     def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
         """n=4, Ls=1 with random drafters, every schedule the method has, chains and width-4 trees."""
         found = []

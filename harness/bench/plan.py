@@ -1,0 +1,115 @@
+"""The plan of a sweep: its work items, so that a cluster scheduler can run the grid.
+
+A work item is one configuration of the grid, or with `per_dataset` one configuration on one dataset. Each has a
+file-safe name, its own results file (<root>/<model>/<method>/<name>.jsonl, so jobs never share a file), the exact
+`spd-bench run` command that does it, and a rough cost (prompts x tokens x its family's relative cost). The plan
+orders items by cost, largest first, then by name: the order, and so every item's index, depends only on the set of
+items, not on how the command line listed them. Shards take items largest first, each to the shard with the least
+cost so far, so N jobs with the same options cover the grid exactly once and about evenly.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from harness.bench.config import RunConfig, load_prompts, validate
+from harness.bench.runner import run_key
+from harness.bench.sweep import GridPoint, recorded_samples
+from harness.runtime.errors import HarnessError
+from harness.runtime.models import load_identity, model_name
+from methods.base import REGISTRY, parse_params
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    point: GridPoint
+    dataset: str | None = None  # None: every dataset of the sweep
+    cost: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """Stable and file-safe: the configuration's parameters, sampling and (per dataset) the dataset."""
+        parts = [f"{k}{v}" for k, v in self.point.params] + [f"T{self.point.temperature:g}"]
+        if self.point.truncation != (0, 1.0):
+            parts += [f"topk{self.point.top_k}", f"topp{self.point.top_p:g}"]
+        parts += [self.dataset] if self.dataset else []
+        return re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(parts))
+
+    def label(self) -> str:
+        return self.point.label() + (f" on {self.dataset}" if self.dataset else "")
+
+    def config(self, base: RunConfig, root: Path) -> RunConfig:
+        return replace(base, method=self.point.method, params=self.point.param_dict,
+                       temperature=self.point.temperature, top_k=self.point.top_k, top_p=self.point.top_p,
+                       datasets=(self.dataset,) if self.dataset else base.datasets, out=self.out(base, root))
+
+    def out(self, base: RunConfig, root: Path) -> Path:
+        return root / model_name(base.model).replace("/", "--") / self.point.method / f"{self.name}.jsonl"
+
+    def command(self, base: RunConfig, root: Path) -> str:
+        """The `spd-bench run` command line that does this item alone (the base options spelled out)."""
+        c = self.config(base, root)
+        words = ["spd-bench", "run", *shlex.split(self.point.run_command())[2:], "--model", c.model,
+                 "--dataset", ",".join(c.datasets), "--max-new-tokens", str(c.max_new_tokens), "--seed", str(c.seed),
+                 "--device", c.device]
+        words += ["--limit", str(c.limit)] if c.limit is not None else []
+        words += ["--dtype", c.dtype] if c.dtype else []
+        words += ["--data-dir", c.data_dir] if c.data_dir else []
+        words += ["--simulate"] if c.simulate else []
+        return shlex.join([*words, "--out", str(c.out)])
+
+
+def plan(points: list[GridPoint], base: RunConfig, per_dataset: bool = False) -> list[WorkItem]:
+    """The work items of a sweep, largest cost first (ties by name): the stable order shards are cut from."""
+    prompts: dict[str, int] = {}
+    for sample in load_prompts(base):
+        prompts[sample.dataset] = prompts.get(sample.dataset, 0) + 1
+    items = []
+    for point in set(points):
+        cls = REGISTRY[point.method]
+        per_sample = cls.relative_cost(parse_params(cls, point.param_dict), base.simulate) * base.max_new_tokens
+        for dataset in (sorted(prompts) if per_dataset else [None]):
+            count = prompts[dataset] if dataset else sum(prompts.values())
+            items.append(WorkItem(point, dataset, per_sample * count))
+    items.sort(key=lambda item: (-item.cost, item.name, item.point.method))
+    return items
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """"I/N" with 1 <= I <= N."""
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise HarnessError(f"--shard {text!r} must look like I/N with 1 <= I <= N, e.g. --shard 2/8")
+    return int(index), int(count)
+
+
+def shard(items: list[WorkItem], index: int, count: int) -> list[WorkItem]:
+    """The items of shard `index` (1-based) of `count`: each item, in plan order, goes to the least loaded shard."""
+    loads, owner = [0.0] * count, []
+    for item in items:
+        lightest = min(range(count), key=lambda i: (loads[i], i))
+        loads[lightest] += item.cost
+        owner.append(lightest)
+    return [item for item, found in zip(items, owner) if found == index - 1]
+
+
+def incomplete(items: list[WorkItem], base: RunConfig, root: Path) -> list[WorkItem]:
+    """The items whose records under `root` (any file: a shard's, a one-process sweep's) do not yet hold every
+    prompt, keyed as their runs would key them (the model's and drafters' weights included)."""
+    identity = load_identity(base.model)
+    recorded = recorded_samples(root)
+    samples = load_prompts(base)
+    found = []
+    for item in items:
+        config = item.config(base, root)
+        validate(config)
+        key = run_key(config, identity, torch.device(base.device).type)
+        if any((key, s.dataset, str(s.question_id)) not in recorded for s in samples
+               if item.dataset in (None, s.dataset)):
+            found.append(item)
+    return found
