@@ -115,6 +115,9 @@ def test_a_configuration_split_by_dataset_across_folders_merges_into_one_row(tin
     result = CliRunner().invoke(main, ["report", "--results", str(a), "--results", str(b)])
     assert f"read 2 records from 1 results files under {a}" in result.output
     assert _report(a, b) == _report(single)
+    folders = CliRunner().invoke(main, ["report", "--results", str(tmp_path)]).output  # a folder of shards' folders
+    assert f"read 2 records from 1 results files under {b}" in folders and f"4 records from 1 results files under " \
+        f"{single}" in folders
     left = [*sweep, "--per-dataset", "--plan", "--missing"]
     left[left.index(str(single))] = str(a)
     assert len(CliRunner().invoke(main, left).output.splitlines()) == 1  # a holds one of the two datasets

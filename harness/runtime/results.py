@@ -195,7 +195,8 @@ class Loaded:
     rows: list[dict]
     duplicates: int  # records of a sample already found (two runs on one file, say): counted once
     foreign: list[Path]  # JSONL files that are not results files (exports, other tools' output): skipped
-    sources: list[tuple[Path, int, int]] = field(default_factory=list)  # each path: its results files and records
+    # each path (a folder whose records lie in several subfolders, shards' say: each of those): files and records
+    sources: list[tuple[Path, int, int]] = field(default_factory=list)
 
 
 def load_all(results: Path | list[Path]) -> Loaded:
@@ -204,22 +205,43 @@ def load_all(results: Path | list[Path]) -> Loaded:
     paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
     found, foreign, sources = [], [], []
     for path in paths:
-        if not path.exists():
-            raise HarnessError(f"results path {path} does not exist; run `spd-bench run` first or pass --results")
-        if path.is_file():
-            files = [path]
+        files, skipped = _results_files(path)
+        foreign += skipped
+        parts = _by_part(path, files)
+        held = {part: rows for part, (_, rows) in parts.items() if rows}
+        if len(held) > 1:  # a folder of shards' (or models') folders: say what each held
+            sources += [(part, parts[part][0], len(rows)) for part, rows in held.items()]
         else:
-            candidates = sorted(path.rglob("*.jsonl"))
-            skipped = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
-            foreign += skipped
-            files = [f for f in candidates if f not in skipped]
-        rows = [row for f in files for row in ResultStore(f).load() if "output_ids" in row]
-        sources.append((path, len(files), len(rows)))
-        found += rows
+            sources.append((path, len(files), sum(len(rows) for rows in held.values())))
+        found += [row for rows in held.values() for row in rows]
     unique = {}
     for row in found:
         unique.setdefault((row["config_key"], row.get("dataset"), str(row.get("question_id"))), row)
     return Loaded(list(unique.values()), len(found) - len(unique), foreign, sources)
+
+
+def _results_files(path: Path) -> tuple[list[Path], list[Path]]:
+    """The results files at `path` (a file, or every *.jsonl under a folder) and the JSONL files there that are not
+    results files."""
+    if not path.exists():
+        raise HarnessError(f"results path {path} does not exist; run `spd-bench run` first or pass --results")
+    if path.is_file():
+        return [path], []
+    candidates = sorted(path.rglob("*.jsonl"))
+    foreign = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
+    return [f for f in candidates if f not in foreign], foreign
+
+
+def _by_part(path: Path, files: list[Path]) -> dict[Path, tuple[int, list[dict]]]:
+    """The sample records of `files` by the entry of `path` they lie under (the file itself for a file): how many
+    files and which records."""
+    parts: dict[Path, tuple[int, list[dict]]] = {}
+    for f in files:
+        part = path if f == path else path / f.relative_to(path).parts[0]
+        count, rows = parts.setdefault(part, (0, []))
+        rows.extend(row for row in ResultStore(f).load() if "output_ids" in row)
+        parts[part] = (count + 1, rows)
+    return parts
 
 
 def code_notes(rows: list[dict], current: dict) -> list[str]:
