@@ -10,6 +10,7 @@ cost so far, so N jobs with the same options cover the grid exactly once and abo
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 from dataclasses import dataclass, replace
@@ -38,7 +39,10 @@ class WorkItem:
         if self.point.truncation != (0, 1.0):
             parts += [f"topk{self.point.top_k}", f"topp{self.point.top_p:g}"]
         parts += [self.dataset] if self.dataset else []
-        return re.sub(r"[^A-Za-z0-9._=+-]", "_", "-".join(parts))
+        raw = "-".join(parts)
+        safe = re.sub(r"[^A-Za-z0-9._=+-]", "_", raw)
+        # a value that had to be escaped (a draft model "org/name", say) keeps its item apart from "org_name"'s
+        return safe if safe == raw else f"{safe}-{hashlib.sha256(raw.encode()).hexdigest()[:8]}"
 
     def label(self) -> str:
         return self.point.label() + (f" on {self.dataset}" if self.dataset else "")
