@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from harness.bench.config import RunConfig, load_prompts, validate
+from harness.bench.config import RunConfig, drafter_fingerprint, load_prompts, validate
 from harness.bench.runner import run_key
 from harness.bench.sweep import GridPoint, recorded_samples
 from harness.runtime.errors import HarnessError
@@ -92,14 +92,19 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
-def shard(items: list[WorkItem], index: int, count: int) -> list[WorkItem]:
-    """The items of shard `index` (1-based) of `count`: each item, in plan order, goes to the least loaded shard."""
-    loads, owner = [0.0] * count, []
+def assign(items: list[WorkItem], count: int) -> list[int]:
+    """Each item's shard (1-based) of `count`: in plan order, each goes to the least loaded shard so far."""
+    loads, owners = [0.0] * count, []
     for item in items:
         lightest = min(range(count), key=lambda i: (loads[i], i))
         loads[lightest] += item.cost
-        owner.append(lightest)
-    return [item for item, found in zip(items, owner) if found == index - 1]
+        owners.append(lightest + 1)
+    return owners
+
+
+def shard(items: list[WorkItem], index: int, count: int) -> list[WorkItem]:
+    """The items of shard `index` (1-based) of `count` (see `assign`)."""
+    return [item for item, owner in zip(items, assign(items, count)) if owner == index]
 
 
 def incomplete(items: list[WorkItem], base: RunConfig, root: Path) -> list[WorkItem]:
@@ -112,7 +117,7 @@ def incomplete(items: list[WorkItem], base: RunConfig, root: Path) -> list[WorkI
     for item in items:
         config = item.config(base, root)
         validate(config)
-        key = run_key(config, identity, torch.device(base.device).type)
+        key = run_key(config, identity, torch.device(base.device).type, drafter_fingerprint(config, identity))
         if any((key, s.dataset, str(s.question_id)) not in recorded for s in samples
                if item.dataset in (None, s.dataset)):
             found.append(item)

@@ -40,10 +40,10 @@ def sample_seed(seed: int, sample: Sample) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def run_key(config: RunConfig, identity: ModelIdentity, device_type: str) -> str:
+def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafter: str | None) -> str:
     """The configuration key of a run's records: everything that defines it (method, parameters, model weights,
-    sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights)."""
-    drafter = drafter_fingerprint(config, identity)
+    sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights:
+    `drafter_fingerprint`)."""
     return config_key({
         "method": config.method,
         "params": config.params,
@@ -69,7 +69,7 @@ class Runner:
         self.sampling = config.sampling()
         self.stop_ids = stop_ids(loaded)
         self.drafter = drafter_fingerprint(config, loaded.identity)
-        self.key = run_key(config, loaded.identity, loaded.device.type)
+        self.key = run_key(config, loaded.identity, loaded.device.type, self.drafter)
         self.references = ReferenceCache(loaded, config.dtype_name, self.stop_ids)
         self.target: TargetRuntime | None = None
 

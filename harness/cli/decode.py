@@ -161,10 +161,10 @@ def _print_plan(shown, items, base, root, count, as_json):
     """The plan's items (`shown`: a shard's, or its incomplete ones) with their index in the whole plan and shard."""
     import json
 
-    from harness.bench.plan import shard as shard_of
+    from harness.bench.plan import assign
 
-    owner = {item: i for i in range(1, count + 1) for item in shard_of(items, i, count)}
-    entries = [{"index": items.index(item) + 1, "name": item.name, "label": item.label(), "shard": owner[item],
+    where = {item: (index, owner) for index, (item, owner) in enumerate(zip(items, assign(items, count)), 1)}
+    entries = [{"index": where[item][0], "name": item.name, "label": item.label(), "shard": where[item][1],
                 "cost": round(item.cost), "out": str(item.out(base, root)), "command": item.command(base, root)}
                for item in shown]
     if as_json:

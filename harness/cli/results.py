@@ -18,7 +18,7 @@ def _records(results: Path | tuple[Path, ...]) -> list[dict]:
     from harness.runtime.provenance import code_identity
     from harness.runtime.results import code_notes, load_all
 
-    loaded = load_all(list(results) if isinstance(results, tuple) else results)
+    loaded = load_all(results)
     if len(loaded.sources) > 1:
         for path, files, rows in loaded.sources:
             click.echo(f"note: read {rows} records from {files} results files under {path}", err=True)
@@ -58,7 +58,7 @@ def report(results, fmt, out, summary):
         text = markdown_summary(summaries)
     elif fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
         figures = render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent,
-                                 train_rows=load_training(list(results)))
+                                 train_rows=load_training(results))
         text = RENDERERS[fmt](summaries, figures)
     else:
         text = RENDERERS[fmt](summaries)
@@ -92,7 +92,8 @@ def export(fmt, results, out):
               help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
                    "(default: a fresh temporary folder).")
 @click.option("--margin", type=click.FloatRange(0, 1), default=0.05, show_default=True,
-              help="A figure fails when its paired 95%% interval lies more than this relative drop below no change.")
+              help="The relative drop a figure may show: at T=0 its change, at T>0 its whole paired 95%% "
+                   "interval.")
 @click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking (runs of one "
                                             "configuration at several seeds become one entry: use 3 or more at T>0).")
 @click.option("--rerun", is_flag=True, help="Run the baseline's configurations again (same prompts, sampling, lengths, "

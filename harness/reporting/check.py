@@ -99,7 +99,7 @@ class Outcome:
         return self.verdict == "ok"
 
 
-def label(s: Summary) -> str:
+def _label(s: Summary) -> str:
     params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()))
     return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}".strip()
 
@@ -141,29 +141,32 @@ def configurations(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     found: dict[tuple[str, str], list[dict]] = {}
     for s in summarize(rows):
         if s.dataset == OVERALL:
-            found.setdefault((label(s), identity(run_spec(by_key[s.config_key]))), []).extend(by_key[s.config_key])
+            found.setdefault((_label(s), identity(run_spec(by_key[s.config_key]))), []).extend(by_key[s.config_key])
     return found
 
 
-def figure(rows: list[dict], name: str) -> Figure | None:
+def figures(rows: list[dict]) -> dict[str, Figure]:
+    """The checked figures of one configuration's records: pooled over its seeds with their interval (one bootstrap
+    for all), and at each seed."""
     summary = pooled(rows)
-    value, interval = getattr(summary, name), intervals.interval(summary, name)
-    if value is None or interval is None:
-        return None
     by_seed: dict[int, list[dict]] = {}
     for row in rows:
         by_seed.setdefault(row["seed"], []).append(row)
-    seeds = [getattr(pooled(found), name) for _, found in sorted(by_seed.items())]
-    return Figure(round(value, 4), round(interval.low, 4), round(interval.high, 4), interval.prompts,
-                  [round(v, 4) for v in seeds])
+    per_seed = [pooled(found) for _, found in sorted(by_seed.items())]
+    found = {}
+    for name in FIGURES:
+        value, interval = getattr(summary, name), intervals.interval(summary, name)
+        if value is not None and interval is not None:
+            found[name] = Figure(round(value, 4), round(interval.low, 4), round(interval.high, 4), interval.prompts,
+                                 [round(getattr(s, name), 4) for s in per_seed])
+    return found
 
 
 def baseline_from(rows: list[dict]) -> list[Expected]:
     expected = []
     for (name, _), found in configurations(rows).items():
-        figures = {key: f for key in FIGURES if (f := figure(found, key)) is not None}
-        if figures:
-            expected.append(Expected(name, len(found), run_spec(found), figures,
+        if measured := figures(found):
+            expected.append(Expected(name, len(found), run_spec(found), measured,
                                      [{k: row[k] for k in RECORD_FIELDS if k in row} for row in found]))
     return expected
 
@@ -248,8 +251,8 @@ def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[O
         if current is None:
             outcomes.append(Outcome(expected, [], "—", "missing"))
             continue
-        now = pooled(current)
-        changes = [_change(name, f, expected.summary(), now) for name, f in expected.figures.items()]
+        before, now = expected.summary(), pooled(current)
+        changes = [_change(name, f, before, now) for name, f in expected.figures.items()]
         sampled = expected.run["temperature"] > 0
         fell = [c for c in changes if c.fell(margin, sampled)]
         if now.identical < now.checked:
@@ -268,11 +271,8 @@ def _change(name: str, baseline: Figure, before: Summary, now: Summary) -> Chang
     current = getattr(now, name)
     if current is None or not baseline.value:
         return Change(name, baseline, current, None, None)
-    replicas_before, replicas_now, prompts = intervals.paired(before, now)
-    ratios = [None if (b := getattr(x, name)) in (None, 0) or (a := getattr(y, name)) is None else a / b - 1
-              for x, y in zip(replicas_before, replicas_now)]
-    return Change(name, baseline, current, current / getattr(before, name) - 1,
-                  intervals.percentile_interval(ratios, prompts))
+    found, _ = intervals.paired_interval(before, now, name, lambda b, a: a / b - 1)
+    return Change(name, baseline, current, current / getattr(before, name) - 1, found)
 
 
 def table(outcomes: list[Outcome]) -> str:

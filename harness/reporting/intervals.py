@@ -59,9 +59,17 @@ def _seed(*parts) -> int:
     return zlib.crc32("|".join(map(str, parts)).encode())
 
 
-def _draws(groups: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Indices drawn with replacement within each dataset (as many as it has)."""
-    return {dataset: rng.integers(0, size, size) for dataset, size in groups.items()}
+def _redraws(sizes: dict[str, int], rng: np.random.Generator) -> list[np.ndarray]:
+    """RESAMPLES times, how often each prompt is drawn when each dataset's prompts (`sizes`, in order, prompts
+    numbered dataset by dataset) are drawn again with replacement, as many as it has."""
+    offsets = np.cumsum([0, *sizes.values()])
+    made = []
+    for _ in range(RESAMPLES):
+        counts = np.zeros(offsets[-1])
+        for offset, size in zip(offsets, sizes.values()):
+            np.add.at(counts, rng.integers(0, size, size) + offset, 1)
+        made.append(counts)
+    return made
 
 
 SCALARS = ("samples", "new_tokens", "steps", "checked", "identical", "baseline_tokens", "baseline_decode_s")
@@ -111,30 +119,26 @@ class _Pool:
         return replica
 
 
-def _counts(draws: dict[str, np.ndarray], offsets: dict[str, int], size: int) -> np.ndarray:
-    """How often each prompt was drawn, prompts ordered dataset by dataset."""
-    counts = np.zeros(size)
-    for dataset, picks in draws.items():
-        np.add.at(counts, picks + offsets[dataset], 1)
-    return counts
+_CACHE: dict[tuple, tuple[object, object]] = {}  # ids -> (the objects, kept alive so ids stay theirs; what was made)
 
 
-_CACHE: dict[tuple, tuple[object, list]] = {}  # id(s) -> (the objects, kept alive so ids stay theirs; replicates)
-
-
-def replicates(summary: Summary) -> list[Summary]:
-    """RESAMPLES summaries of the configuration over prompts redrawn within each dataset."""
+def _replicates(summary: Summary) -> tuple[list[Summary], int]:
+    """RESAMPLES summaries of the configuration over prompts redrawn within each dataset, and its fewest prompts of
+    any dataset."""
     key = (id(summary),)
     if key not in _CACHE:
         rng = np.random.default_rng(_seed(summary.config_key, summary.model, summary.dataset, summary.simulated))
         by_dataset = summary.prompts()
-        groups = [group for found in by_dataset.values() for group in found]
-        offsets = dict(zip(by_dataset, np.cumsum([0] + [len(g) for g in by_dataset.values()])))
-        pool = _Pool(summary, groups)
+        pool = _Pool(summary, [group for found in by_dataset.values() for group in found])
         sizes = {dataset: len(found) for dataset, found in by_dataset.items()}
-        made = [pool.replicate(_counts(_draws(sizes, rng), offsets, len(groups))) for _ in range(RESAMPLES)]
-        _CACHE[key] = (summary, made)
+        made = [pool.replicate(counts) for counts in _redraws(sizes, rng)]
+        _CACHE[key] = (summary, (made, min(sizes.values(), default=0)))
     return _CACHE[key][1]
+
+
+def replicates(summary: Summary) -> list[Summary]:
+    """RESAMPLES summaries of the configuration over prompts redrawn within each dataset."""
+    return _replicates(summary)[0]
 
 
 Figure = Callable[[Summary], "float | None"]
@@ -155,7 +159,8 @@ def interval(summary: Summary, figure: str | Figure) -> Interval | None:
     if summary.samples == 0:
         return None
     get = getter(figure)
-    return percentile_interval([get(r) for r in replicates(summary)], summary.fewest_prompts)
+    made, prompts = _replicates(summary)
+    return percentile_interval([get(r) for r in made], prompts)
 
 
 def paired(a: Summary, b: Summary) -> tuple[list[Summary], list[Summary], int]:
@@ -168,14 +173,26 @@ def paired(a: Summary, b: Summary) -> tuple[list[Summary], list[Summary], int]:
         for prompt in sorted(set(units_a) & set(units_b)):
             common.setdefault(prompt[0], []).append(prompt)
         prompts = [p for found in common.values() for p in found]
-        offsets = dict(zip(common, np.cumsum([0] + [len(p) for p in common.values()])))
         pools = _Pool(a, [units_a[p] for p in prompts]), _Pool(b, [units_b[p] for p in prompts])
         rng = np.random.default_rng(_seed(a.config_key, b.config_key, a.model, a.dataset, a.simulated, b.simulated))
-        made: tuple[list, list] = ([], [])
-        for _ in range(RESAMPLES if prompts else 0):
-            counts = _counts(_draws({d: len(p) for d, p in common.items()}, rng), offsets, len(prompts))
-            made[0].append(pools[0].replicate(counts))
-            made[1].append(pools[1].replicate(counts))
-        _CACHE[key] = ((a, b), [made, min((len(p) for p in common.values()), default=0)])
+        draws = _redraws({d: len(p) for d, p in common.items()}, rng) if prompts else []
+        made = ([pools[0].replicate(c) for c in draws], [pools[1].replicate(c) for c in draws])
+        _CACHE[key] = ((a, b), (made, min((len(p) for p in common.values()), default=0)))
     (made_a, made_b), prompts = _CACHE[key][1]
     return made_a, made_b, prompts
+
+
+def paired_interval(a: Summary, b: Summary, figure: str, change: Callable[[float, float], float]
+                    ) -> tuple[Interval | None, int]:
+    """The 95% interval of `change(a's figure, b's figure)` over the prompts both ran, redrawn together (replicates
+    where either figure is missing, or the change is undefined, have no value), and the fewest shared prompts of any
+    dataset."""
+    replicas_a, replicas_b, prompts = paired(a, b)
+    values = []
+    for ra, rb in zip(replicas_a, replicas_b):
+        first, second = getattr(ra, figure), getattr(rb, figure)
+        try:
+            values.append(None if first is None or second is None else change(first, second))
+        except ZeroDivisionError:
+            values.append(None)
+    return (percentile_interval(values, prompts) if replicas_a else None), prompts

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from harness.bench.sweep import GridPoint
-from harness.reporting.intervals import MIN_PROMPTS, Interval, paired, percentile_interval
+from harness.reporting.intervals import MIN_PROMPTS, Interval, paired_interval
 from harness.reporting.metrics import OVERALL, Summary, find, params_label
 from methods.sampling import NO_TRUNCATION
 
@@ -266,10 +266,7 @@ class Test:
 
 def paired_test(comparison: Comparison) -> Test:
     first, second = comparison.first, comparison.second
-    replicas_a, replicas_b, prompts = paired(first, second)
-    differences = [None if None in (a := getattr(ra, comparison.figure), b := getattr(rb, comparison.figure))
-                   else b - a for ra, rb in zip(replicas_a, replicas_b)]
-    found = percentile_interval(differences, prompts) if replicas_a else None
+    found, prompts = paired_interval(first, second, comparison.figure, lambda a, b: b - a)
     return Test(comparison, getattr(second, comparison.figure) - getattr(first, comparison.figure), found, prompts)
 
 

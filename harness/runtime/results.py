@@ -129,6 +129,7 @@ class ResultStore:
             if created and os.fstat(fd).st_size == 0:
                 self.path.unlink(missing_ok=True)
             os.close(fd)
+
     def _lock(self, fd: int) -> None:
         """Hold the file alone; a filesystem without locks (some network and FUSE mounts) cannot refuse a second
         writer, so the run goes on with a warning: sweep shards and plan items never share a file."""
@@ -165,7 +166,7 @@ class ResultStore:
             ) from None
 
 
-def load_training(results: Path | list[Path]) -> list[dict]:
+def load_training(results: Path | list[Path] | tuple[Path, ...]) -> list[dict]:
     """The drafter training records (`spd-bench train`) in results files or folders, the latest per drafter."""
     paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
     files = [f for path in paths for f in ([path] if path.is_file() else sorted(path.rglob("train.jsonl")))]
@@ -199,7 +200,7 @@ class Loaded:
     sources: list[tuple[Path, int, int]] = field(default_factory=list)
 
 
-def load_all(results: Path | list[Path]) -> Loaded:
+def load_all(results: Path | list[Path] | tuple[Path, ...]) -> Loaded:
     """Every sample record in each results file, or in all *.jsonl files under each folder (shards' folders, say),
     the first found of a sample."""
     paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
