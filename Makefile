@@ -53,7 +53,7 @@ bench: install
 	$(BIN)/spd-bench report --summary --results $(BENCH_OUT)
 
 report: install
-	$(BIN)/spd-bench report --out reports/results.md
+	$(BIN)/spd-bench report --out reports/results.md --replace
 
 # One pytest-xdist worker per core (tests/conftest.py gives each its share of the threads).
 test: install
@@ -84,7 +84,7 @@ regression-baseline: gate-dir   # rewrites the committed baseline from a fresh g
 	for seed in $(GATE_SEEDS); do \
 	  $(GATE_RUN) run $(BENCH_EAGLE) $(GATE_SAMPLED) --seed $$seed --out $(GATE_DIR)/results/eagle3-t1.jsonl || exit 1; \
 	done
-	$(GATE_RUN) check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results --write
+	$(GATE_RUN) check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results --write --replace
 
 # On a GPU machine that has torch and transformers preinstalled and no network: no virtual environment, no
 # downloads; random models of real shapes, every method against AR, AR against HF generate (harness/bench/selfcheck.py).

@@ -36,3 +36,23 @@ def smollm2_dir() -> Path:
     from harness.runtime.models import EMBEDDED, embedded_folder
 
     return embedded_folder(EMBEDDED["smollm2-135m"])
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template, saved as an HF folder."""
+    from tiny_models import tiny_model
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", num_layers=4, vocab_size=49152)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private harness cache per test."""
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))

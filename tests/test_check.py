@@ -174,3 +174,59 @@ def test_a_parameter_set_away_from_its_default_is_recorded():
 
     assert recorded_params(EagleParams()) == {"m": 7, "width": 1, "ttt": 7}
     assert recorded_params(EagleParams(layout="eagle3"))["layout"] == "eagle3"
+
+
+def test_a_nan_margin_is_refused_in_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["check", "--baseline", str(tmp_path / "b.json"), "--margin", "nan"])
+    assert result.exit_code == 2 and "must be a number between 0 and 1, got nan" in result.output
+
+
+@pytest.mark.parametrize("figures", [{}, {"tokens_per_step": {"value": float("nan"), "low": 1.0, "high": 2.0,
+                                                               "prompts": 5, "seeds": [1.5]}}],
+                         ids=["no-figures", "nan-value"])
+def test_a_baseline_entry_that_checks_nothing_or_nan_is_an_error_not_a_pass(tmp_path, figures):
+    rows = _prompts("spd", SPD)
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, rows)
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    entries = json.loads(baseline.read_text())
+    entries[0]["figures"] = figures
+    baseline.write_text(json.dumps(entries))
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 2 and output.startswith("error: cannot read baseline") and "pass" not in output
+
+
+def test_a_sampled_baseline_from_one_seed_is_warned_of_and_rewriting_needs_replace(tmp_path):
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, _prompts("eagle3", EAGLE, 0, 1.0))
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(results), "--write"])
+    assert result.exit_code == 0 and "was measured at one seed (T>0)" in result.stderr
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(results), "--write"])
+    assert result.exit_code == 2 and "already exists" in result.stderr and "--replace" in result.stderr
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(results), "--write",
+                                       "--replace"])
+    assert result.exit_code == 0
+    result = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(results)])
+    assert result.exit_code == 0 and "note: " in result.stderr and "one seed" in result.stderr
+
+
+def test_a_rerun_judges_only_what_it_decoded_never_records_already_in_its_folder(tiny_dir, eval_dir, tmp_path, cache):
+    """The baseline's own records, tampered to have lost losslessness, lie where a rerun would resume from: the rerun
+    decodes into a folder of its own and passes on what it decoded."""
+    results, baseline = tmp_path / "gate", tmp_path / "baseline.json"
+    run = ["run", "--model", str(tiny_dir), "--method", "lookup", "--dataset", "gsm8k", "--limit", "2",
+           "--max-new-tokens", "6", "--data-dir", str(eval_dir), "--out"]
+    assert CliRunner().invoke(main, [*run, str(results / "first.jsonl")]).exit_code == 0
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    for store in results.rglob("*.jsonl"):
+        store.unlink()
+    assert CliRunner().invoke(main, [*run, str(results / tiny_dir.name / "lookup.jsonl")]).exit_code == 0
+    resumable = results / tiny_dir.name / "lookup.jsonl"  # where the rerun's run would find them (default_out)
+    tampered = [dict(json.loads(line), lossless={"checked": True, "identical": False, "first_divergence": 0})
+                for line in resumable.read_text().splitlines()]
+    resumable.write_text("".join(json.dumps(r) + "\n" for r in tampered))
+    code, output = _check("--baseline", baseline, "--rerun", "--results", results, "--model", tiny_dir,
+                          "--data-dir", eval_dir)
+    assert code == 0 and "all configurations pass" in output, output
+    assert f"rerun records: {results}/rerun-" in output
+    assert resumable.read_text() == "".join(json.dumps(r) + "\n" for r in tampered)  # left as it was

@@ -5,27 +5,8 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from tiny_models import tiny_model
 
 from harness.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    """A tiny random Llama with SmolLM2's real tokenizer and chat template, saved as an HF folder."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model("llama", num_layers=4, vocab_size=49152)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
 
 
 def _run(*args):
@@ -115,6 +96,8 @@ def test_report_renders_markdown_and_csv(tiny_dir, eval_dir, tmp_path, cache):
                                                                              "above 0"),
         (["--method", "spd", "--executor", "distributed", "--timeout", "inf"], "up to 604800 (a week), got inf"),
         (["--method", "spd", "--executor", "distributed", "--join-timeout", "1e14"], "--join-timeout must be"),
+        (["--method", "spd", "--executor", "distributed", "--join-timeout", "0.001"],
+         "--join-timeout must be a number of seconds from 1 and up to 604800 (a week), got 0.001"),
         (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cuda:0,cuda:1"],
          "--devices names cuda:0 but this machine has no CUDA devices"),
         (["--method", "spd", "--n", "2", "--executor", "distributed", "--devices", "cudaX,cpu"],
@@ -137,6 +120,12 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, message, tmp_p
     (["--method", "spd", "--n", "0"], "n must be >= 1"),
     (["--method", "nope"], "unknown method 'nope'"),
     (["--method", "spd", "--width", "x"], "expected a comma-separated list"),
+    (["--method", "spd", "--temperature", "0,nan", "--plan"], "temperature must be a finite number"),
+    (["--method", "spd", "--temperature", "1", "--top-p", "5", "--plan"], "top_p must be in (0, 1], got 5"),
+    (["--method", "spd", "--n", "4,,8", "--plan"], "'4,,8' has an empty entry"),
+    (["--method", "spd", "--temperature", "", "--plan"], "'' has an empty entry"),
+    (["--method", "spd", "--shard", "", "--plan"], "--shard '' must look like I/N"),
+    (["--method", "spd", "--shard", "0/4", "--plan"], "--shard '0/4' must look like I/N"),
 ])
 def test_bad_sweep_input_exits_2_with_one_line(args, message, cache):
     result = CliRunner().invoke(main, ["sweep", *args])
@@ -357,3 +346,41 @@ def test_an_error_mid_run_starts_a_line_of_its_own_after_the_progress_bar(tiny_d
     assert result.exit_code == 2
     assert "error: distributed run: a stage rank stopped answering (test)" in result.stderr.splitlines()
     assert len(_records(tmp_path / "r.jsonl")) == 1  # the finished sample is kept for a resume
+
+
+def test_a_shard_count_beyond_the_plan_is_cheap_and_its_empty_shards_do_nothing(cache):
+    plan = CliRunner().invoke(main, ["sweep", "--method", "spd,eagle3", "--plan", "--json", "--shard", "1/1000000000"])
+    assert plan.exit_code == 0, plan.output
+    assert [entry["shard"] for entry in json.loads(plan.output)] == [1]  # the largest item; each shard takes one
+    empty = CliRunner().invoke(main, ["sweep", "--method", "spd,eagle3", "--shard", "999999999/1000000000"])
+    assert empty.exit_code == 0 and "shard 999999999/1000000000: 0 of 2 work items" in empty.output
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1", "0"])
+def test_train_refuses_a_learning_rate_that_is_not_finite_and_positive(lr, tmp_path, cache):
+    result = CliRunner().invoke(main, ["train", "--lr", lr, "--tokens", "8"])
+    assert result.exit_code == 2 and "--lr" in result.output and "must be a finite number above 0" in result.output
+
+
+def test_records_carry_their_conditions_and_a_busy_machine_is_warned_of_and_marked(tiny_dir, eval_dir, tmp_path, cache,
+                                                                                   monkeypatch):
+    import os
+
+    import torch
+
+    out = tmp_path / "r.jsonl"
+    args = ["run", "--model", str(tiny_dir), "--method", "lookup", "--dataset", "gsm8k", "--max-new-tokens", "4",
+            "--data-dir", str(eval_dir), "--out", str(out)]
+    quiet = CliRunner().invoke(main, [*args, "--limit", "1"])
+    assert quiet.exit_code == 0 and "warning: load average" not in quiet.stderr
+    (row,) = _records(out)
+    conditions = row["conditions"]
+    assert conditions["cores"] == len(os.sched_getaffinity(0)) and conditions["threads"] == torch.get_num_threads()
+    assert conditions["processor"] and isinstance(conditions["load_before"], float)
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (conditions["cores"] + 4.0, 0.0, 0.0))  # two other jobs, say
+    busy = CliRunner().invoke(main, [*args, "--limit", "3"])
+    assert busy.exit_code == 0 and busy.stderr.count("warning: load average") == 1
+    assert [r["conditions"]["busy"] for r in _records(out)] == [False, True, True]
+    summary = CliRunner().invoke(main, ["report", "--results", str(out), "--summary"])
+    assert "(n=3, 2 busy)" in summary.output and "busy: 2 of 3 timed samples" in summary.output

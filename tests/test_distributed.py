@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
 from tiny_models import tiny_model
 

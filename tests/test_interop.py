@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 from test_spd import _oracle
 from tiny_models import tiny_model
 
@@ -145,6 +144,8 @@ def test_imported_head_equals_the_format_and_decodes_losslessly(tmp_path, monkey
     (lambda s: s["state_dict"].update({"lm_head.weight": s["state_dict"]["lm_head.weight"].to(torch.int32)}),
      "weight lm_head.weight is int32, not floating point"),
     (lambda s: s["state_dict"]["lm_head.weight"].fill_(float("nan")), "weight lm_head.weight holds NaN"),
+    (lambda s: s["config"].update(draft_vocab_size=7), "contradicts itself on the draft vocabulary"),
+    (lambda s: s["config"].update(draft_token_ids=[1, 2, 3]), "contradicts itself on the draft vocabulary"),
 ])
 def test_a_mismatched_or_malformed_head_is_one_line_and_writes_nothing(tmp_path, monkeypatch, change, message):
     monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
@@ -332,6 +333,7 @@ def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
                             (dict(architectures=None), "is not an EAGLE-3 head"),
                             (dict(eagle_aux_hidden_state_layer_ids=["2", "4", "5"]), "must be a list of integers"),
                             (dict(draft_vocab_size="abc"), "draft_vocab_size must be an integer"),
+                            (dict(draft_vocab_size=5), "states a draft vocabulary of 5"),
                             (dict(hidden_size=32), "hidden size of 32"),
                             (dict(rope_theta=1.0), "rope theta 1.0"),
                             (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]), "reads hidden states")):
@@ -444,3 +446,15 @@ def test_export_head_never_deletes_what_it_did_not_write_and_refuses_files_with_
     finally:
         os.umask(old)
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o755 and stat.S_IMODE((fresh / "config.json").stat().st_mode) == 0o644
+
+
+def test_a_damaged_torch_file_that_raises_key_error_is_one_line(tmp_path, monkeypatch):
+    """torch.load raises KeyError on some damaged archives (a storage the pickle names but the file lacks)."""
+    from harness.runtime import foreign
+
+    def damaged(*args, **kwargs):
+        raise KeyError("data/0")
+
+    monkeypatch.setattr(foreign.torch, "load", damaged)
+    with pytest.raises(HarnessError, match="is not a readable speculation head"):
+        foreign.load_weights_only(tmp_path / "head.pt", "speculation head")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 
 from harness.bench.config import RunConfig
 from harness.bench.plan import parse_shard, plan, shard

@@ -5,7 +5,6 @@ from itertools import islice
 
 import pytest
 import torch
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 
 from harness.runtime.models import load_model, stop_ids
 from harness.training import regenerate

@@ -201,3 +201,15 @@ def test_the_reference_definition_of_theoretical_speedup_is_the_per_sample_mean_
     assert abs(overall.theoretical_speedup - (14 / 12) * 30 / 4) < 1e-9  # ours pools: 14 tokens over 12 cycles
     (table,) = [t for t in tables([overall]) if t.title.startswith("Theoretical vs modeled")]
     assert _point(table.rows[0][3:5]) == ["8.75", "10.50"]
+
+
+def test_the_speedups_figure_shows_prompt_lookup_and_labels_no_empty_parameter():
+    from harness.reporting.figures import _label, speedup_rows
+
+    rows = [_row("lookup", {"k": 10, "max_ngram": 3, "width": 1}, "gsm8k"),
+            _row("ssd", {"k": 3, "fan_out_list": "", "width": 1}, "gsm8k",
+                 draft={"num_layers": 30, "ls": 1, "m": 3, "width": 1})]
+    shown = speedup_rows([s for s in summarize(rows) if s.dataset == "overall"])
+    labels = [_label(s) for s in shown]
+    assert any(label.startswith("lookup ") for label in labels), labels
+    assert any(label.startswith("ssd k=3 ") for label in labels) and not any("fan_out_list=" in x for x in labels)

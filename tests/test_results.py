@@ -12,8 +12,11 @@ from harness.runtime.results import ResultStore, load_all
 
 
 def _row(i, key="k", payload=0):
+    """A sample record with every field the readers need."""
     return {"config_key": key, "dataset": "d", "question_id": i, "output_ids": [1] * payload,
-            "method": "autoregressive"}
+            "method": "autoregressive", "params": {}, "model": {"name": "m"}, "temperature": 0.0,
+            "max_new_tokens": payload, "seed": 0, "new_tokens": payload, "steps": payload, "accepted": [],
+            "position_accepts": [], "timing": {}, "lossless": {}}
 
 
 def test_append_then_load_round_trips(tmp_path):
@@ -149,3 +152,67 @@ def test_a_folder_with_other_tools_files_is_read_with_those_skipped_and_a_broken
     (tmp_path / "claims.jsonl").write_text(json.dumps(_row(2)) + "\n" + json.dumps({"choices": []}) + "\n")
     with pytest.raises(HarnessError, match="claims.jsonl:2: not a result record"):
         load_all(tmp_path)
+
+
+def test_a_writer_that_appends_nothing_leaves_a_last_line_without_its_newline_as_it_was(tmp_path):
+    store = ResultStore(tmp_path / "r.jsonl")
+    store.path.write_text(json.dumps(_row(1)) + "\n" + json.dumps(_row(2)))
+    before = store.path.read_bytes()
+    with store.writing():
+        pass  # a run with nothing left to decode
+    assert store.path.read_bytes() == before
+
+
+def test_a_last_line_that_parses_but_is_no_record_is_refused_never_cut(tmp_path):
+    store = ResultStore(tmp_path / "r.jsonl")
+    store.path.write_text(json.dumps(_row(1)) + "\n" + json.dumps({"note": "mine"}))
+    before = store.path.read_bytes()
+    with pytest.raises(HarnessError, match="r.jsonl:2: not a result record"):
+        with store.writing():
+            store.append(_row(2))
+    assert store.path.read_bytes() == before
+
+
+def test_a_fifo_or_a_device_is_refused_in_one_line_and_never_read(tmp_path):
+    fifo = tmp_path / "r.jsonl"
+    os.mkfifo(fifo)  # opening it to read would block forever
+    for action in (ResultStore(fifo).load, lambda: ResultStore(fifo).writing().__enter__(), lambda: load_all(fifo)):
+        with pytest.raises(HarnessError, match="is a FIFO, not a regular file|is a FIFO; pass"):
+            action()
+    with pytest.raises(HarnessError, match="is a character device, not a regular file"):
+        ResultStore("/dev/zero").load()  # a device that reads forever, as /dev/full does
+
+
+def test_a_folder_skips_fifos_and_dangling_links_named_jsonl(tmp_path):
+    ResultStore(tmp_path / "ours.jsonl").append(_row(1))
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "gone.jsonl").symlink_to(tmp_path / "missing.jsonl")
+    loaded = load_all(tmp_path)
+    assert [r["question_id"] for r in loaded.rows] == [1]
+    assert sorted(p.name for p in loaded.foreign) == ["gone.jsonl", "pipe.jsonl"]
+
+
+def test_a_symlinked_results_file_is_appended_through_and_stays_a_link(tmp_path):
+    real = tmp_path / "real.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    store = ResultStore(link)
+    with store.writing():
+        store.append(_row(1))
+    assert link.is_symlink() and [r["question_id"] for r in ResultStore(real).load()] == [1]
+
+
+@pytest.mark.parametrize("change, problem", [({"steps": None}, "a NoneType as 'steps'"),
+                                             ({"new_tokens": "12"}, "a str as 'new_tokens'"),
+                                             ({"lossless": True}, "a bool as 'lossless'"),
+                                             ({"model": {}}, "no model name")])
+def test_a_sample_record_with_a_mistyped_field_is_one_line_naming_file_and_line(tmp_path, change, problem):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(_row(1)) + "\n" + json.dumps({**_row(2), **change}) + "\n")
+    with pytest.raises(HarnessError, match=f"r.jsonl:2: a sample record with {problem}"):
+        load_all(tmp_path)
+    missing = _row(3)
+    del missing["timing"]
+    path.write_text(json.dumps(missing) + "\n")
+    with pytest.raises(HarnessError, match="r.jsonl:1: a sample record with no 'timing' field"):
+        load_all(path)

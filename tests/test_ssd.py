@@ -4,7 +4,6 @@ its own (gloo) drafting exactly what one process drafts, and sampling losslessly
 
 import pytest
 import torch
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
 from harness.runtime.errors import HarnessError

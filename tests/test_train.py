@@ -4,7 +4,6 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from test_cli import tiny_dir  # noqa: F401  (fixture)
 
 from harness.cli import main
 from harness.training.corpus import conversations, encode
@@ -107,7 +106,8 @@ def _check_reruns_the_baseline(tiny_dir, eval_dir, tmp_path):  # noqa: F811
              "--results", str(tmp_path / "rerun"), "--margin", "0"]
     result = CliRunner().invoke(main, rerun)
     assert result.exit_code == 0 and "all configurations pass" in result.output, result.output
-    assert len((tmp_path / "rerun" / tiny_dir.name / "eagle3.jsonl").read_text().splitlines()) == 2
+    (made,) = (tmp_path / "rerun").glob(f"rerun-*/{tiny_dir.name}/eagle3.jsonl")  # the rerun's own folder
+    assert len(made.read_text().splitlines()) == 2
     entry["run"]["params"]["ttt"], entry["label"] = 5, "untrained head"
     baseline.write_text(json.dumps([entry]))
     result = CliRunner().invoke(main, rerun[:-4])  # a fresh temporary folder

@@ -101,7 +101,7 @@ def validate_executor(config: RunConfig, cls) -> None:
     if config.simulate:
         raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
     launch.check_deadline("--timeout", config.timeout)
-    launch.check_deadline("--join-timeout", config.join_timeout)
+    launch.check_deadline("--join-timeout", config.join_timeout, launch.SHORTEST_START_S)
     config.stage_devices  # noqa: B018 - validates --devices against n
 
 

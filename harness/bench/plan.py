@@ -93,10 +93,12 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def assign(items: list[WorkItem], count: int) -> list[int]:
-    """Each item's shard (1-based) of `count`: in plan order, each goes to the least loaded shard so far."""
-    loads, owners = [0.0] * count, []
+    """Each item's shard (1-based) of `count`: in plan order, each goes to the least loaded shard so far (shards
+    beyond the number of items get none, so only that many are tracked)."""
+    used = min(count, len(items))
+    loads, owners = [0.0] * used, []
     for item in items:
-        lightest = min(range(count), key=lambda i: (loads[i], i))
+        lightest = min(range(used), key=lambda i: (loads[i], i))
         loads[lightest] += item.cost
         owners.append(lightest + 1)
     return owners

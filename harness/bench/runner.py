@@ -24,6 +24,7 @@ from harness.bench.config import (
 )
 from harness.bench.data import Sample, render_prompt
 from harness.runtime import distributed as launch
+from harness.runtime.conditions import Measuring, busy_warning
 from harness.runtime.errors import HarnessError
 from harness.runtime.lossless import ReferenceCache, compare, not_checked
 from harness.runtime.models import LoadedModel, ModelIdentity, load_model, stop_ids
@@ -102,6 +103,8 @@ class Runner:
             prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
             method = self.load_method(self.config.method, self.config.params, prompts)
             reference = self.load_method(REFERENCE_METHOD, {}, prompts)
+            if not self.config.simulate and (warning := busy_warning()):
+                tqdm.write(warning, file=sys.stderr)
             with self._executor(method), torch.inference_mode():
                 if not self.config.simulate:
                     for warm in (method, reference):  # one-off allocation costs stay out of the timings
@@ -145,14 +148,17 @@ class Runner:
 
     def _decode_all(self, todo, prompts, method, reference, store, bar) -> None:
         tokens, seconds = 0, 0.0
+        measuring = Measuring(self.loaded.device.type)
         for index, (sample, prompt) in enumerate(zip(todo, prompts)):
             if self.config.simulate:
                 generation, baseline = self._simulate(method, reference, prompt, sample), None
-                lossless = not_checked("simulated: acceptance replayed on the AR output")
+                lossless, conditions = not_checked("simulated: acceptance replayed on the AR output"), {}
             else:
+                measuring.start()
                 generation, baseline = self._generate_pair(method, reference, prompt, sample, index % 2 == 0)
+                conditions = measuring.end().to_dict()
                 lossless = self._check(prompt, generation.output_ids, reference, baseline)
-            store.append(self._record(sample, prompt, generation, lossless, baseline))
+            store.append(self._record(sample, prompt, generation, lossless, baseline, conditions))
             tokens += len(generation.output_ids)
             seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
             bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—", lossless=_flag(lossless))
@@ -214,7 +220,8 @@ class Runner:
             self.references.put(prompt, self.config.max_new_tokens, own)
         return compare(self.target, prompt, output, self.greedy_reference(prompt, reference_method))
 
-    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline) -> Record:
+    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline,
+                conditions: dict) -> Record:
         c = self.config
         return Record(
             method=c.method,
@@ -244,6 +251,7 @@ class Runner:
             stats={**generation.stats.record(), "drafter": self.drafter,
                    "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
             prompt_source=sample.source,
+            conditions=conditions,
             baseline=None if baseline is None else {
                 "method": REFERENCE_METHOD,
                 "new_tokens": len(baseline.output_ids),

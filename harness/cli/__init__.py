@@ -60,8 +60,11 @@ def _values(text: str | None, kind=int) -> list:
     """A comma-separated option as a list of `kind` values (None: empty)."""
     if text is None:
         return []
+    entries = [v.strip() for v in text.split(",")]
+    if not all(entries):
+        raise click.BadParameter(f"{text!r} has an empty entry; list values separated by single commas, e.g. 4,8")
     try:
-        return [kind(v.strip()) for v in text.split(",") if v.strip()]
+        return [kind(v) for v in entries]
     except ValueError:
         raise click.BadParameter(f"expected a comma-separated list, got {text!r}") from None
 

@@ -114,7 +114,7 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
           dtype, data_dir, results, simulate, show_plan, as_json, per_dataset, shard, missing, **param_values):
     """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed).
     With --plan, print its work items for a cluster scheduler; with --shard I/N, run one shard of them."""
-    from harness.bench.config import RunConfig
+    from harness.bench.config import RunConfig, validate
     from harness.bench.plan import incomplete, parse_shard, plan
     from harness.bench.plan import shard as shard_of
     from harness.bench.sweep import configs, grid
@@ -133,15 +133,19 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate)
     root = results or Path("results")
+    index, count = parse_shard(shard) if shard is not None else (1, 1)
     items = plan(points, base, per_dataset)
-    index, count = parse_shard(shard) if shard else (1, 1)
+    for item in items:  # a plan of items that could never run is bad input, before anything is printed or run
+        validate(item.config(base, root))
     mine = shard_of(items, index, count)
     if show_plan:
         _print_plan(incomplete(mine, base, root) if missing else mine, items, base, root, count, as_json)
         return
-    if shard or per_dataset:
+    if shard is not None or per_dataset:
         jobs = {item.label(): item.config(base, root) for item in mine}
         click.echo(f"shard {index}/{count}: {len(mine)} of {len(items)} work items")
+        if not jobs:
+            return
     else:
         jobs = configs(points, base)
     outcome = run_sweep(jobs, base, results)

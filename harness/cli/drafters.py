@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -35,6 +36,12 @@ def _drafter_specs(methods: str | None, values: dict[str, list]) -> list:
     return specs
 
 
+def _learning_rate(value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"must be a finite number above 0, got {value:g}", param_hint="--lr")
+    return value
+
+
 @main.command()
 @click.option("--method", "methods", default=FLAGSHIP, show_default=True,
               help="Drafter kinds, comma list of the trainable methods (all share the teacher passes).")
@@ -47,7 +54,8 @@ def _drafter_specs(methods: str | None, values: dict[str, list]) -> list:
               help="Keep the teacher's outputs in the cache (features/), reused by later epochs and runs.")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--lr", type=float, default=1e-4, show_default=True)
+@click.option("--lr", type=float, default=1e-4, show_default=True, callback=lambda ctx, param, value: _learning_rate(value),
+              help="Peak learning rate (AdamW), a finite number above 0.")
 @click.option("--warmup", type=click.FloatRange(0, 1), default=0.05, show_default=True,
               help="Share of the steps over which the learning rate rises linearly (then it decays to zero).")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,

@@ -15,6 +15,7 @@ def _records(results: Path | tuple[Path, ...]) -> list[dict]:
     """One record per sample under `results` (several paths: shards' folders, merged), saying what each path held,
     when duplicates (e.g. two runs on one file) were dropped, which files were not results files, and what code the
     records come from."""
+    from harness.runtime.files import kind_of
     from harness.runtime.provenance import code_identity
     from harness.runtime.results import code_notes, load_all
 
@@ -25,7 +26,9 @@ def _records(results: Path | tuple[Path, ...]) -> list[dict]:
     if loaded.duplicates:
         click.echo(f"note: {loaded.duplicates} duplicate records of the same samples were counted once", err=True)
     for path in loaded.foreign:
-        click.echo(f"note: {path} is not a results file (no record on its first line): skipped", err=True)
+        why = kind_of(path)
+        why = f"{why}, not a regular file" if why else "no record on its first line"
+        click.echo(f"note: {path} is not a results file ({why}): skipped", err=True)
     for note in code_notes(loaded.rows, code_identity()):
         click.echo(f"note: {note}", err=True)
     return loaded.rows
@@ -36,39 +39,50 @@ results_option = click.option("--results", type=click.Path(path_type=Path), mult
                                                       "folders: duplicates of a sample count once).")
 
 
+def _finite(ctx, param, value: float) -> float:
+    if value != value:  # NaN passes every range check
+        raise click.BadParameter("must be a number between 0 and 1, got nan")
+    return value
+
+
+replace_option = click.option("--replace", is_flag=True, help="Overwrite files that already exist (by default a "
+                                                               "command writes only new files).")
+
+
 @main.command()
 @results_option
 @click.option("--format", "fmt", type=click.Choice(["markdown", "latex", "csv"]), default="markdown", show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the report here instead of stdout.")
 @click.option("--summary", is_flag=True, help="Only the table of acceptance and speedups per configuration (markdown).")
-def report(results, fmt, out, summary):
+@replace_option
+def report(results, fmt, out, summary, replace):
     """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
     from harness.reporting.metrics import summarize
     from harness.reporting.report import RENDERERS, markdown_summary, render_figures
-    from harness.runtime.paths import check_out_path
+    from harness.runtime.files import Outputs
     from harness.runtime.results import load_training
 
+    outputs = Outputs(replace)
     if out is not None:
-        check_out_path(out, folder=False)
+        outputs.claim(out)  # before the records are read
     rows = _records(results)
     if not rows:
         raise HarnessError(f"no result records under {', '.join(map(str, results))}; run `spd-bench run` first")
     summaries = summarize(rows)
-    if summary:
-        text = markdown_summary(summaries)
-    elif fmt == "markdown" and out is not None:  # figures go beside the report and are embedded in it
-        figures = render_figures(summaries, rows, out.parent / "figures", relative_to=out.parent,
-                                 train_rows=load_training(results))
-        text = RENDERERS[fmt](summaries, figures)
-    else:
-        text = RENDERERS[fmt](summaries)
     if out is None:
-        click.echo(text, nl=False)
+        click.echo(markdown_summary(summaries) if summary else RENDERERS[fmt](summaries), nl=False)
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    # The report and its figures are rendered into a staging folder beside it and moved in together.
+    with outputs.staged(out.parent) as staging:
+        if summary:
+            text = markdown_summary(summaries)
+        elif fmt == "markdown":  # figures go beside the report and are embedded in it
+            figures = render_figures(summaries, rows, staging / "figures", relative_to=staging,
+                                     train_rows=load_training(results))
+            text = RENDERERS[fmt](summaries, figures)
+        else:
+            text = RENDERERS[fmt](summaries)
+        (staging / out.name).write_text(text)
     click.echo(f"report: {out}")
 
 
@@ -76,13 +90,15 @@ def report(results, fmt, out, summary):
 @click.option("--format", "fmt", type=click.Choice(list(formats())), required=True, help=formats_help())
 @results_option
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
-def export(fmt, results, out):
+@replace_option
+def export(fmt, results, out, replace):
     """Our records in another tool's format, one file per configuration."""
     from harness.reporting.export import export as write
+    from harness.runtime.files import Outputs
     from harness.runtime.paths import check_out_path
 
     check_out_path(out, folder=True)  # before the records are read
-    written, skipped = write(_records(results), fmt, out)
+    written, skipped = write(_records(results), fmt, out, Outputs(replace))
     click.echo(f"{len(written)} files in {out}" + (f" ({skipped} records have no {fmt} form)" if skipped else ""))
 
 
@@ -91,7 +107,7 @@ def export(fmt, results, out):
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
                    "(default: a fresh temporary folder).")
-@click.option("--margin", type=click.FloatRange(0, 1), default=0.05, show_default=True,
+@click.option("--margin", type=click.FloatRange(0, 1), default=0.05, show_default=True, callback=_finite,
               help="The relative drop a figure may show: at T=0 its change, at T>0 its whole paired 95%% "
                    "interval.")
 @click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking (runs of one "
@@ -101,23 +117,30 @@ def export(fmt, results, out):
 @click.option("--seed", type=int, default=None, help="With --rerun: decode with this seed instead of the baseline's "
                                                      "first (at T>0 a reseeded rerun must pass).")
 @click.option("--model", default=None, help="With --rerun: target to load instead of the baseline's model name.")
+@replace_option
 @device_option
 @data_option
-def check(baseline, results, margin, write, rerun, seed, model, device, data_dir):
+def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, replace):
     """Exit 1 when a figure fell beyond its noise and the margin, a sample lost losslessness, or a configuration is
     missing."""
     import tempfile
 
     from harness.reporting import check as regression
+    from harness.runtime.files import Outputs, make_folder
 
     if write and rerun:
         raise click.UsageError("--write takes recorded results; drop --rerun")
     if seed is not None and not rerun:
         raise click.UsageError("--seed chooses the rerun's seed; add --rerun")
+    outputs = Outputs(replace, what="--baseline")
+    if write:
+        outputs.claim(baseline)  # before the records are read
     expected = None if write else regression.read_baseline(baseline)
     if rerun:
-        results = results or Path(tempfile.mkdtemp(prefix="spd-bench-check-"))
-        results.mkdir(parents=True, exist_ok=True)
+        # The rerun decodes into a folder of its own and is judged on those records alone: never on records made
+        # before it (which a resumed run would keep instead of decoding) or with another drafter.
+        parent = make_folder(results, "--results") if results else None
+        results = Path(tempfile.mkdtemp(prefix="rerun-" if parent else "spd-bench-check-", dir=parent))
         for problem in regression.rerun(expected, results, model, device, data_dir, seed):
             click.echo(f"not rerun: {problem}")
         click.echo(f"rerun records: {results}")
@@ -126,9 +149,12 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
     if not rows and not rerun:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     if write:
-        regression.write_baseline(baseline, rows)
+        for warning in regression.write_baseline(baseline, rows, outputs):
+            click.echo(f"warning: {warning}", err=True)
         click.echo(f"baseline: {baseline}")
         return
+    for warning in regression.seed_warnings(expected):
+        click.echo(f"note: {warning}", err=True)
     outcomes = regression.compare(expected, rows, margin)
     click.echo(regression.table(outcomes), nl=False)
     failed = [o for o in outcomes if not o.ok]

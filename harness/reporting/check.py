@@ -18,6 +18,7 @@ token-identical to greedy AR.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from harness.bench.sweep import missing_drafter
 from harness.reporting import intervals
 from harness.reporting.metrics import OVERALL, Summary, summarize
 from harness.runtime.errors import HarnessError
+from harness.runtime.files import Outputs, readable_file
 from harness.runtime.models import load_model
 from harness.runtime.results import ResultStore
 
@@ -171,16 +173,25 @@ def baseline_from(rows: list[dict]) -> list[Expected]:
     return expected
 
 
-def write_baseline(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(e) for e in baseline_from(rows)], indent=1) + "\n")
+def write_baseline(path: Path, rows: list[dict], outputs: Outputs) -> list[str]:
+    """Write the baseline of `rows`; returns what a reader should be warned of (see seed_warnings)."""
+    expected = baseline_from(rows)
+    outputs.write(path, json.dumps([asdict(e) for e in expected], indent=1) + "\n")
+    return seed_warnings(expected)
+
+
+def seed_warnings(baseline: list[Expected]) -> list[str]:
+    """Sampled configurations measured at one seed: their interval holds the prompts' spread but not the seeds'."""
+    return [f"{e.label} was measured at one seed (T>0): a rerun at another seed may fail on sampling noise alone; "
+            f"write the baseline from runs at 3 or more seeds" for e in baseline
+            if e.run["temperature"] > 0 and len(e.run["seeds"]) < 2]
 
 
 def read_baseline(path: Path) -> list[Expected]:
     """The baseline's entries; an empty, truncated, mistyped or older-format baseline is an error, never a gate that
     passes."""
     try:
-        entries = json.loads(Path(path).read_text())
+        entries = json.loads(readable_file(path, "--baseline").read_text())
         if not isinstance(entries, list) or not entries:
             raise ValueError("it holds no configurations")
         expected = []
@@ -191,15 +202,23 @@ def read_baseline(path: Path) -> list[Expected]:
             if not (isinstance(e.label, str) and isinstance(e.samples, int) and isinstance(e.run, dict)
                     and e.records and set(e.figures) <= set(FIGURES)):
                 raise ValueError(f"entry {e.label!r} has a field of the wrong type")
+            if not e.figures:
+                raise ValueError(f"entry {e.label!r} checks no figure")
+            if not all(_finite(f.value, f.low, f.high, *f.seeds) for f in e.figures.values()):
+                raise ValueError(f"entry {e.label!r} has a figure that is not a finite number")
             expected.append(e)
         return expected
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, HarnessError) as exc:
         raise HarnessError(f"cannot read baseline {path} ({exc}); write one with spd-bench check --write") from None
+
+
+def _finite(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
 def rerun(baseline: list[Expected], results: Path, model: str | None, device: str, data_dir: str | None,
           seed: int | None = None) -> list[str]:
-    """Run every baseline configuration again into `results` (resuming what is there): same prompts, sampling,
+    """Run every baseline configuration again into `results` (a fresh folder): same prompts, sampling,
     lengths and dtype, at `seed` (default: the baseline's first), the drafter from the cache. Returns why
     configurations could not run (they then count as missing)."""
     loaded_models, problems = {}, []

@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import methods  # noqa: F401  (fills the registry)
 from harness.runtime.errors import HarnessError
+from harness.runtime.files import Outputs
 from harness.runtime.paths import check_out_path
 from methods.base import REGISTRY
 
@@ -100,47 +99,45 @@ def _questions(rows: list[dict]) -> dict[tuple[str, str], str]:
     return texts
 
 
-def export(rows: list[dict], fmt: str, out: Path) -> tuple[list[Path], int]:
-    """Write one file per configuration under `out`; returns the files and how many records had no such format."""
+def export(rows: list[dict], fmt: str, out: Path, outputs: Outputs | None = None) -> tuple[list[Path], int]:
+    """Write one file per configuration under `out` (a file already there only with `outputs`' --replace); returns
+    the files and how many records had no such format."""
+    outputs = outputs or Outputs(replace=False)
     known = formats()
     if fmt not in known:
         raise HarnessError(f"--format must be one of {', '.join(known)}, got {fmt!r}")
     groups: dict[str, list[dict]] = defaultdict(list)
-    skipped = 0
+    skipped = simulated = 0
     for row in sorted(rows, key=lambda r: (r["dataset"], str(r["question_id"]))):
-        if row["method"] not in known[fmt] or (
-                fmt == SPEC_BENCH and row.get("simulated")):  # a replay has no wall time to divide by
-            skipped += 1
+        if fmt == SPEC_BENCH and row.get("simulated"):  # a replay has no wall time to divide by
+            simulated += 1
+        elif row["method"] in known[fmt]:
+            groups[_file_name(row)].append(row)
             continue
-        groups[_file_name(row)].append(row)
+        skipped += 1
+    if not groups and simulated:
+        raise HarnessError(f"no records to export as {fmt}: all {simulated} matching records were simulated "
+                           f"(--simulate replays have no wall time); run `spd-bench run` without --simulate")
     if not groups:
         raise HarnessError(f"no records to export as {fmt} ({fmt}: {', '.join(known[fmt])} runs only); run "
                            f"`spd-bench run` first")
     check_out_path(out, folder=True)
     if fmt == SPEC_BENCH:
         files = {f"{name}.jsonl": [spec_bench_answer(r) for r in group] for name, group in sorted(groups.items())}
-        return _write_all(out, files), skipped
+        return _write_all(out, files, outputs), skipped
     questions = _questions(rows)
     files = {}
     for name, group in sorted(groups.items()):
         family = REGISTRY[group[0]["method"]].exports[fmt]
         files[f"{name}{family.suffix}.jsonl"] = [
             family.sample(r, i, questions.get((r["dataset"], str(r["question_id"])))) for i, r in enumerate(group)]
-    return _write_all(out, files), skipped
+    return _write_all(out, files, outputs), skipped
 
 
-def _write_all(out: Path, files: dict[str, list[dict]]) -> list[Path]:
+def _write_all(out: Path, files: dict[str, list[dict]], outputs: Outputs) -> list[Path]:
     """Every file written into a staging folder first, then moved in: all of them appear or none."""
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
-    try:
+    with outputs.staged(out) as staging:
         for name, lines in files.items():
             (staging / name).write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines),
                                         encoding="utf-8")
-        written = []
-        for name in files:
-            (staging / name).replace(out / name)
-            written.append(out / name)
-        return written
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return [out / name for name in files]

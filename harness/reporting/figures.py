@@ -85,16 +85,23 @@ def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+SPEEDUPS = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"),
+            ("wall-clock (median paired)", "wall_clock_median"))
+
+
+def speedup_rows(summaries: list[Summary]) -> list[Summary]:
+    """The executed configurations with any speedup figure (prompt lookup, say, has a wall-clock one alone)."""
+    return [s for s in summaries if s.method != "autoregressive" and not s.simulated
+            and any(getter(attr)(s) is not None for _, attr in SPEEDUPS)]
+
+
 def speedups(summaries: list[Summary], path: Path) -> Path | None:
     """Theoretical, modeled multi-device and wall-clock speedup per executed configuration (overall rows)."""
-    shown = [s for s in summaries
-             if s.method != "autoregressive" and not s.simulated and s.theoretical_speedup is not None]
+    shown = speedup_rows(summaries)
     if not shown:
         return None
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.4 * len(shown)))
-    kinds = (("theoretical", "theoretical_speedup"), ("modeled", "modeled_speedup"),
-             ("wall-clock (median paired)", "wall_clock_median"))
-    for k, (name, attr) in enumerate(kinds):
+    for k, (name, attr) in enumerate(SPEEDUPS):
         ys = [i + (k - 1) * 0.27 for i in range(len(shown))]
         values, errors = _with_errors(shown, attr)
         ax.barh(ys, [v or 0.0 for v in values], height=0.27, xerr=errors, label=name,

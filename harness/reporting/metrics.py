@@ -32,7 +32,8 @@ def _add(totals: dict, values: dict) -> None:
 
 
 def params_label(params: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(params.items())) or "—"
+    """The parameters as k=v, those left empty (an unset list, say) out."""
+    return " ".join(f"{k}={v}" for k, v in sorted(params.items()) if v not in ("", None)) or "—"
 
 
 def length_label(max_new_tokens: int) -> str:
@@ -90,6 +91,7 @@ class Summary:
     baseline_tokens: int = 0
     baseline_decode_s: float = 0.0
     simulated: bool = False  # acceptance replayed on the AR output, not executed
+    busy: int = 0  # samples timed while the machine was loaded beyond its cores (runtime/conditions.py)
     units: list = field(default_factory=list, repr=False)  # each sample: (its record, its family's stats)
 
     def empty(self) -> Summary:
@@ -110,6 +112,7 @@ class Summary:
         self.lengths.append((row["new_tokens"], row["steps"]))
         self.checked += bool(row["lossless"].get("checked"))
         self.identical += bool(row["lossless"].get("identical"))
+        self.busy += bool((row.get("conditions") or {}).get("busy"))
         if row["lossless"].get("checked") and not row["lossless"].get("identical"):
             self.divergences.append((row["question_id"], row["lossless"].get("first_divergence")))
         _add(self.timing, row["timing"])

@@ -106,7 +106,8 @@ def _wall(s: Summary | None) -> str:
     if s is None or s.wall_clock_median is None:
         return "—"
     count = len(s.wall_clock_ratios)
-    return _ci(s, "wall_clock_median") + (f" (n={count})" if count else "")
+    busy = f", {s.busy} busy" if s.busy else ""
+    return _ci(s, "wall_clock_median") + (f" (n={count}{busy})" if count else f" ({s.busy} busy)" if busy else "")
 
 
 def _triple(s: Summary | None) -> str:
@@ -407,13 +408,24 @@ def markdown(summaries: list[Summary], figures: dict[str, str] | None = None) ->
         lines += _markdown_table(table)
     for title, path in (figures or {}).items():
         lines += [f"![{title}]({path})", ""]
-    return "\n".join(lines + _fill_commands(summaries) + [NOTES])
+    return "\n".join(lines + _fill_commands(summaries) + [NOTES] + _busy_note(summaries))
 
 
 def markdown_summary(summaries: list[Summary]) -> str:
     """The summary table alone, with the notes that define its columns."""
     table = summary_table([s for s in summaries if s.dataset == OVERALL])
-    return "\n".join(_markdown_table(table) + [NOTES])
+    return "\n".join(_markdown_table(table) + [NOTES] + _busy_note(summaries))
+
+
+def _busy_note(summaries: list[Summary]) -> list[str]:
+    """How many timed samples were measured on a busy machine, where any were."""
+    overall = [s for s in summaries if s.dataset == OVERALL and not s.simulated]
+    busy, timed = sum(s.busy for s in overall), sum(s.samples for s in overall)
+    if not busy:
+        return []
+    return [f"busy: {busy} of {timed} timed samples ran while the machine's load average exceeded its usable cores "
+            f"(other jobs running; marked \"k busy\" beside their wall-clock figures): paired ratios survive some "
+            f"contention, absolute tokens/s do not. Rerun them alone for speed figures.", ""]
 
 
 def _latex_escape(text: str) -> str:

@@ -38,12 +38,15 @@ from harness.runtime.errors import HarnessError, first_line
 EXECUTORS = ("local", "distributed")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 LONGEST_WAIT_S = 7 * 24 * 3600.0  # a week: beyond it a deadline is a typo (and timedelta overflows near 1e14 s)
+SHORTEST_START_S = 1.0  # no rank starts a Python process, joins the group and loads its part sooner
 PREFIX = "spd-bench"  # our keys in a store that torchrun's agent may share with others
 
 
-def check_deadline(option: str, seconds: float) -> None:
-    if not (math.isfinite(seconds) and 0 < seconds <= LONGEST_WAIT_S):
-        raise HarnessError(f"{option} must be a number of seconds above 0 and up to {LONGEST_WAIT_S:.0f} (a week), "
+def check_deadline(option: str, seconds: float, shortest: float = 0.0) -> None:
+    """A deadline in seconds: above 0, at least `shortest` where less can never be met, at most a week."""
+    if not (math.isfinite(seconds) and 0 < seconds <= LONGEST_WAIT_S and seconds >= shortest):
+        low = f"from {shortest:g}" if shortest else "above 0"
+        raise HarnessError(f"{option} must be a number of seconds {low} and up to {LONGEST_WAIT_S:.0f} (a week), "
                            f"got {seconds:g}")
 
 
@@ -257,7 +260,7 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
     """Rank 0's group for the run: served ranks spawned here (or already started by torchrun) but not yet waited for;
     on exit, however it is left, the group is torn down and no spawned process outlives it."""
     check_deadline("--timeout", timeout_s)
-    check_deadline("--join-timeout", join_timeout_s)
+    check_deadline("--join-timeout", join_timeout_s, SHORTEST_START_S)
     world, backend = len(devices) + 1, backend_for(driver_device, devices)
     processes = []
     if under_torchrun():
@@ -376,7 +379,7 @@ def serve_from_env(devices: list[str], driver_device: str, timeout_s: float, joi
         raise HarnessError(f"torchrun started {world} ranks; this run needs {len(devices) + 1} (one driver and "
                            f"{len(devices)} served)")
     check_deadline("--timeout", timeout_s)
-    check_deadline("--join-timeout", join_timeout_s)
+    check_deadline("--join-timeout", join_timeout_s, SHORTEST_START_S)
     check_device(devices[rank - 1], "--devices", here=True)
     _serve(rank, devices[rank - 1], backend_for(driver_device, devices), lambda: _torchrun_store(rank, join_timeout_s),
            world, timeout_s, join_timeout_s)

@@ -10,7 +10,6 @@ methods/eagle3/interop.py: EAGLE-3 folders).
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 from pathlib import Path
 
@@ -31,7 +30,7 @@ def load_weights_only(path: Path, what: str):
                                f"plain tensors are read; save its state_dict and config alone") from None
         raise HarnessError(f"{path} is not a readable {what} (not a torch file of plain tensors); pass a valid "
                            f"file") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError) as exc:
         raise HarnessError(f"{path} is not a readable {what} ({first_line(exc, 160)}); pass a valid file") from None
 
 
@@ -102,8 +101,3 @@ def _folder_sha256(folder: Path) -> str:
         digest.update(sha256(path).encode())
     return digest.hexdigest()
 
-
-def umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.runtime.errors import HarnessError
+from harness.runtime.files import kind_of, make_folder, regular_target
 
 
 def config_key(spec: dict) -> str:
@@ -68,6 +69,7 @@ class Record:
     stats: dict = field(default_factory=dict)
     baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
     prompt_source: dict = field(default_factory=dict)  # the prompt set's origin (file, package + version) and sha256
+    conditions: dict = field(default_factory=dict)  # load, cores, threads and processor the timing ran under
 
     @property
     def sample_key(self) -> tuple[str, str, str]:
@@ -79,9 +81,13 @@ class ResultStore:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._unrepaired: int | None = None  # the held file's descriptor until its tail is repaired
 
     def load(self) -> list[dict]:
         """Every complete record; an unterminated final line (a write still in progress, or killed) is skipped."""
+        kind = kind_of(self.path)
+        if kind is not None:
+            raise HarnessError(f"results file {self.path} is {kind}, not a regular file; pass a file path as --out")
         if not self.path.exists():
             return []
         try:
@@ -90,25 +96,18 @@ class ResultStore:
             raise self._unreadable(exc) from None
         *lines, tail = data.split("\n")
         rows = [self._parse(line, number) for number, line in enumerate(lines, 1) if line.strip()]
-        last = self._complete(tail)
-        return rows + ([last] if last is not None else [])
-
-    @staticmethod
-    def _complete(tail: str) -> dict | None:
-        """An unterminated last line that is a whole record (a file edited or copied without its final newline), or
-        None (a write in progress or cut short)."""
-        try:
-            row = json.loads(tail)
-        except ValueError:
-            return None
-        return row if isinstance(row, dict) and "config_key" in row else None
+        if _parses(tail):  # a whole last line without its newline (a file edited or copied)
+            rows.append(self._parse(tail, len(lines) + 1))
+        return rows  # else the remains of a write in progress or cut short
 
     @contextmanager
     def writing(self) -> Iterator[ResultStore]:
-        """Hold the file for one run: refuse a concurrent writer, repair a torn tail of this (recognised) file, and
-        remove the file again if the run appended nothing to a file it created."""
+        """Hold the file for one run: refuse a concurrent writer and a file that is not a results file, repair a torn
+        tail before the first record is appended (a run that appends nothing leaves the file as it was), and remove
+        the file again if the run appended nothing to a file it created."""
+        self.path = regular_target(self.path, "results file")  # a symlink is written through, never replaced
         created = not self.path.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.path.parent, "results")
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -116,19 +115,25 @@ class ResultStore:
         try:
             self._lock(fd)
             self.load()  # every complete line is a record: this is a results file, ours to repair
-            size = os.fstat(fd).st_size
-            data = os.pread(fd, size, 0)
-            if data and not data.endswith(b"\n"):
-                cut = data.rfind(b"\n") + 1
-                if self._complete(data[cut:].decode("utf-8", "replace")) is not None:
-                    os.pwrite(fd, b"\n", size)  # a whole record that only lacks its newline
-                else:
-                    os.ftruncate(fd, cut)  # the remains of a write that was cut short
+            self._unrepaired = fd
             yield self
         finally:
+            self._unrepaired = None
             if created and os.fstat(fd).st_size == 0:
                 self.path.unlink(missing_ok=True)
             os.close(fd)
+
+    def _repair_tail(self, fd: int) -> None:
+        """End the file on a line break: a whole record that only lacks its newline gets one; the remains of a write
+        that was cut short (never a line that parses) are cut off."""
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0)
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1
+            if _parses(data[cut:].decode("utf-8", "replace")):
+                os.pwrite(fd, b"\n", size)
+            else:
+                os.ftruncate(fd, cut)
 
     def _lock(self, fd: int) -> None:
         """Hold the file alone; a filesystem without locks (some network and FUSE mounts) cannot refuse a second
@@ -149,6 +154,9 @@ class ResultStore:
         return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in self.load()}
 
     def append(self, record: Record | dict) -> None:
+        if self._unrepaired is not None:
+            self._repair_tail(self._unrepaired)
+            self._unrepaired = None
         append_line(self.path, record if isinstance(record, dict) else asdict(record))
 
     def _unreadable(self, exc: Exception) -> HarnessError:
@@ -159,11 +167,33 @@ class ResultStore:
             row = json.loads(line)
             if not isinstance(row, dict) or "config_key" not in row:
                 raise ValueError
-            return row
         except ValueError:
             raise HarnessError(
                 f"{self.path}:{number}: not a result record; move the file aside or delete that line"
             ) from None
+        if "output_ids" in row and (problem := sample_problem(row)):
+            raise HarnessError(f"{self.path}:{number}: a sample record with {problem}; rerun that sample or delete "
+                               f"that line")
+        return row
+
+
+# The fields every reader of a sample record relies on, and their JSON types.
+SAMPLE_FIELDS = {"method": str, "params": dict, "model": dict, "dataset": str, "question_id": (int, str),
+                 "temperature": (int, float), "max_new_tokens": int, "seed": int, "output_ids": list,
+                 "new_tokens": int, "steps": int, "accepted": list, "position_accepts": list, "timing": dict,
+                 "lossless": dict, "config_key": str}
+
+
+def sample_problem(row: dict) -> str | None:
+    """What makes a sample record unreadable (a missing or mistyped field), or None."""
+    for name, kind in SAMPLE_FIELDS.items():
+        if name not in row:
+            return f"no {name!r} field"
+        if not isinstance(row[name], kind) or isinstance(row[name], bool):
+            return f"a {type(row[name]).__name__} as {name!r}"
+    if not isinstance(row["model"].get("name"), str):
+        return "no model name"
+    return None
 
 
 def load_training(results: Path | list[Path] | tuple[Path, ...]) -> list[dict]:
@@ -174,6 +204,14 @@ def load_training(results: Path | list[Path] | tuple[Path, ...]) -> list[dict]:
     for row in (row for f in files for row in ResultStore(f).load() if row.get("kind") == "train"):
         latest[(row["model"]["name"], row["config_key"])] = row
     return list(latest.values())
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def claims_to_be_results(path: Path) -> bool:
@@ -224,12 +262,16 @@ def load_all(results: Path | list[Path] | tuple[Path, ...]) -> Loaded:
 def _results_files(path: Path) -> tuple[list[Path], list[Path]]:
     """The results files at `path` (a file, or every *.jsonl under a folder) and the JSONL files there that are not
     results files."""
+    kind = kind_of(path)
+    if kind not in (None, "a folder"):
+        raise HarnessError(f"results path {path} is {kind}; pass a results file or folder")
     if not path.exists():
         raise HarnessError(f"results path {path} does not exist; run `spd-bench run` first or pass --results")
     if path.is_file():
         return [path], []
     candidates = sorted(path.rglob("*.jsonl"))
-    foreign = [f for f in candidates if f.stat().st_size and not claims_to_be_results(f)]
+    # only regular files are read: a FIFO would block, a device read forever, a dangling link has nothing to read
+    foreign = [f for f in candidates if kind_of(f) is not None or (f.stat().st_size and not claims_to_be_results(f))]
     return [f for f in candidates if f not in foreign], foreign
 
 

@@ -9,15 +9,14 @@ L/2, L-3). Heads trained here in that layout export back to the same folder form
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError, first_line
-from harness.runtime.foreign import check_weights, integer, integers, load_weights_only, save_imported, umask
+from harness.runtime.files import Outputs
+from harness.runtime.foreign import check_weights, integer, integers, load_weights_only, save_imported
 from harness.runtime.paths import check_out_path
 from harness.runtime.target import TargetRuntime
 from methods.eagle3.head import EagleConfig, EagleHead, default_feature_layers, head_tag, target_shape, train_command
@@ -126,6 +125,12 @@ def import_eagle3(folder: Path, target: TargetRuntime, ttt: int = 7, force: bool
                                f"lm_head and d2t")
         ours[renamed] = value
     draft = ours.get("draft_ids", torch.empty(0, dtype=torch.long))
+    rows = ours["head.weight"].shape[0] if "head.weight" in ours else None
+    stated = config.get("draft_vocab_size") or config.get("vocab_size")
+    for name, size in (("lm_head rows", rows), ("d2t entries", draft.numel() if "d2t" in weights else None)):
+        if size is not None and stated is not None and size != stated:
+            raise HarnessError(f"{folder}/config.json states a draft vocabulary of {stated}, but its {name} are "
+                               f"{size}; the folder is damaged")
     if draft.numel() == target.config.vocab_size and bool((draft == torch.arange(draft.numel())).all()):
         draft = ours["draft_ids"] = torch.empty(0, dtype=torch.long)  # the identity map: the full vocabulary
     if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= target.config.vocab_size):
@@ -206,16 +211,7 @@ def export_eagle3(checkpoint: Path, out: Path, text_config, replace: bool = Fals
               "vocab_size": vocab, "draft_vocab_size": rows, "hidden_act": "silu", "tie_word_embeddings": False,
               "eagle_aux_hidden_state_layer_ids": list(head["feature_layers"]),
               "spd_bench": {"target": saved.get("target", {}), "ttt": head["ttt"]}}
-    out.mkdir(parents=True, exist_ok=True)  # with the user's umask, as any folder they make
-    staged = [Path(tempfile.mkstemp(dir=out, prefix=f".{name}-")[1]) for name in EAGLE3_FILES]
-    try:
-        (staged[0]).write_text(json.dumps(config, indent=2))
-        save_file(theirs, str(staged[1]))
-        mode = 0o666 & ~umask()
-        for tmp, name in zip(staged, EAGLE3_FILES):
-            os.chmod(tmp, mode)
-            os.replace(tmp, out / name)
-    finally:
-        for tmp in staged:
-            tmp.unlink(missing_ok=True)
+    with Outputs(replace).staged(out) as staging:  # both files appear or neither
+        (staging / EAGLE3_FILES[0]).write_text(json.dumps(config, indent=2))
+        save_file(theirs, str(staging / EAGLE3_FILES[1]))
     return out

@@ -49,6 +49,22 @@ def read_v11(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, state
 
 
+def check_draft_vocab(path: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    """The draft vocabulary's size as the config states it, its id list and the LM head's rows all agree."""
+    head = state.get("lm_head.weight")
+    rows = int(head.shape[0]) if isinstance(head, torch.Tensor) and head.dim() == 2 else None
+    ids = config.get("draft_token_ids")
+    stated = config.get("draft_vocab_size")
+    sizes = {"lm_head rows": rows, "draft_token_ids": None if ids is None else len(ids),
+             "draft_vocab_size": None if stated is None else integer(path, "draft_vocab_size", stated)}
+    if ids is None and rows is not None:
+        sizes["vocab_size"] = config["vocab_size"]  # no id list: the head spans the full vocabulary
+    known = {name: size for name, size in sizes.items() if size is not None}
+    if len(set(known.values())) > 1:
+        listed = ", ".join(f"{name} {size}" for name, size in known.items())
+        raise HarnessError(f"{path} contradicts itself on the draft vocabulary ({listed}); the file is damaged")
+
+
 def check_against(path: Path, config: dict, target: TargetRuntime) -> None:
     """Hidden size, vocabulary and stage split must fit the target."""
     hidden, vocab, layers = target.config.hidden_size, target.config.vocab_size, target.num_layers
@@ -93,6 +109,7 @@ def import_spd(path: Path, target: TargetRuntime, force: bool = False, expect: t
     if draft.numel() and (bool((draft[1:] <= draft[:-1]).any()) or int(draft[-1]) >= target.config.vocab_size):
         raise HarnessError(f"{path} draft_token_ids must rise strictly inside the vocabulary of "
                            f"{target.config.vocab_size}")
+    check_draft_vocab(path, config, state)
     model_type = getattr(target.config, "model_type", "")
     try:
         spec_config = SpeculatorConfig(

@@ -67,7 +67,8 @@ class SpeculatorConfig:
         bounds = self.aggr_bounds
         if bounds and (bounds[0] != 0 or any(b >= c for b, c in itertools.pairwise(bounds))
                        or (self.num_layers and bounds[-1] > self.num_layers)):
-            raise ValueError(f"aggregation bounds must rise from 0 to at most {self.num_layers}, got {list(bounds)}")
+            most = f" to at most {self.num_layers}" if self.num_layers else ""
+            raise ValueError(f"aggregation bounds must start at 0 and rise strictly{most}, got {list(bounds)}")
 
     @property
     def query_depth(self) -> int:
