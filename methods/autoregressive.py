@@ -26,13 +26,15 @@ class Autoregressive(Method):
         timer = Timer(target.device)
         with timer("prefill"):
             logits, _ = target.forward(torch.tensor(prompt_ids), start=0)
-            token = sampler.pick(logits[-1])
+            next_id = sampler.next_token(logits[-1])
+            token = int(next_id)
         output = [token]
-        with timer("decode"):
+        with timer("decode"):  # the token goes back in as the tensor it came out as: one read per token
             while len(output) < max_new_tokens and token not in self.stop_ids:
                 position = len(prompt_ids) + len(output) - 1
-                logits, _ = target.forward(torch.tensor([token]), start=position)
-                token = sampler.pick(logits[-1])
+                logits, _ = target.forward(next_id, start=position)
+                next_id = sampler.next_token(logits[-1])
+                token = int(next_id)
                 output.append(token)
         steps = len(output) - 1
         return Generation(output_ids=output, steps=steps, accepted=[1] * steps, timing=timer.totals)

@@ -18,7 +18,7 @@ from methods.base import Generation, PositionAxis, Timer, commit
 from methods.sampling import Sampler
 from methods.stats import Record, Stats
 from methods.teacher import Teacher
-from methods.verify import chain_rejection, verify_tree
+from methods.verify import chain_rejection, chain_rejection_on_device, greedy_chain, verify_tree
 
 DRAFT_POSITIONS = PositionAxis("pos", "Acceptance by draft position (share of rounds that accepted position k)",
                                "draft position")
@@ -45,6 +45,15 @@ class Node:
     score: float = 0.0
     q: torch.Tensor | None = None  # the distribution it was sampled from (sampled chain, T > 0)
     state: torch.Tensor | None = None  # the drafter's output for this node's row [1, 1, D]
+
+
+@dataclass
+class Chain:
+    """A round's drafts as a chain kept on the device: tokens [m] and, when they were sampled (T > 0), the
+    distributions q [m, V] they were drawn from."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
 
 
 def chain(tokens: list[int]) -> list[Node]:
@@ -121,12 +130,12 @@ def verify_round(target: TargetRuntime, layers: tuple[int, ...], nodes: list[Nod
     features at `layers` of the root and the path rows)."""
     device = target.device
     ids = torch.tensor([last] + [n.token for n in nodes], device=device)
-    positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
     is_chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
-    slots = mask = parents = None
+    positions, slots, mask, parents = range(base, base + len(ids)), None, None, None
     # Rows see the prefix plus their own branch; slots base + 1 + i hold the candidates. Linear-attention layers
     # take even a chain level by level, so the state after each accepted candidate is there whatever is accepted.
     if not is_chain or target.has_linear_layers:
+        positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
         slots = base + torch.arange(len(ids), device=device)
         mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
         parents = torch.tensor([base - 1] + [base + 1 + n.parent if n.parent >= 0 else base for n in nodes],
@@ -136,10 +145,34 @@ def verify_round(target: TargetRuntime, layers: tuple[int, ...], nodes: list[Nod
     logits = target.logits(h)
     path, bonus = _accept(nodes, logits, sampler)
     if path and path != list(range(len(path))):  # the accepted branch's KV (and linear states) move
-        target.cache.move(torch.tensor([base + 1 + i for i in path], device=device), base + 1)
+        target.cache.move([base + 1 + i for i in path], base + 1)
     target.truncate(base + 1 + len(path))  # the rejected candidates' linear states go
     rows = [0] + [i + 1 for i in path]
     return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
+
+
+def verify_chain(target: TargetRuntime, layers: tuple[int, ...], drafts: Chain, last: int, base: int,
+                 sampler: Sampler) -> tuple[int, list[int], dict]:
+    """verify_round for a chain kept on the device: one target forward, the decision on the device and one read
+    back of it and the drafts. Returns (accepted drafts, the committed tokens: those drafts and the next token,
+    target features at `layers` of the root and the accepted rows)."""
+    device, m = target.device, len(drafts.tokens)
+    ids = torch.cat([torch.tensor([last], device=device), drafts.tokens])
+    positions, slots, mask, parents = range(base, base + m + 1), None, None, None
+    if target.has_linear_layers:  # level by level, so the state after each draft is there whatever is accepted
+        positions = slots = base + torch.arange(m + 1, device=device)
+        mask = tree_mask(chain([0] * m), list(range(-1, m)), base + 1, base + 1, base + m + 1)
+        parents = base - 1 + torch.arange(m + 1, device=device)
+    h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
+                                    parents=parents, capture=layers)
+    logits = target.logits(h)
+    if sampler.greedy:
+        decision = greedy_chain(drafts.tokens, logits.argmax(-1))
+    else:
+        decision = chain_rejection_on_device(drafts.tokens, drafts.q, sampler.probs(logits), sampler.generator)
+    count, bonus, *tokens = torch.cat([decision, drafts.tokens]).tolist()  # the step's one read back
+    target.truncate(base + 1 + count)
+    return count, tokens[:count] + [bonus], {layer: h[:, : count + 1] for layer, h in captured.items()}
 
 
 def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:

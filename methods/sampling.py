@@ -60,19 +60,25 @@ class Sampler:
     def draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """Next token from target logits [V]: argmax at T=0, else a draw from `probs`."""
+    def next_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token from target logits [V] as a [1] tensor on their device (nothing read back): argmax at T=0, else
+        a draw from `probs`."""
         if self.greedy:
-            return int(torch.argmax(logits))
-        return self.draw(self.probs(logits))
+            return torch.argmax(logits, dim=-1, keepdim=True)
+        return torch.multinomial(self.probs(logits), 1, generator=self.generator)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        return int(self.next_token(logits))
 
     def best_children(self, logits: torch.Tensor, parent_scores: list[float], width: int
                       ) -> list[tuple[int, int, float]]:
         """Draft-tree expansion: each row of draft logits [P, V] proposes its top `width` tokens; the `width` best
-        (parent row, token, cumulative log-probability) overall, best first, under these sampling settings."""
+        (parent row, token, cumulative log-probability) overall, best first, under these sampling settings. The
+        level is read back once (ids below 2**53 are exact as float64)."""
         logp = torch.log_softmax(logits.float(), dim=-1) if self.greedy else self.probs(logits).log()
         top = torch.topk(logp, width, dim=-1)
         scores = top.values + torch.tensor(parent_scores, device=logp.device)[:, None]
         best = torch.topk(scores.flatten(), width)
-        return [(flat // width, int(top.indices.flatten()[flat]), value)
-                for value, flat in zip(best.values.tolist(), best.indices.tolist()) if value > float("-inf")]
+        tokens = top.indices.flatten()[best.indices]
+        rows, ids, values = torch.stack([(best.indices // width).double(), tokens.double(), best.values.double()]).tolist()
+        return [(int(row), int(token), value) for row, token, value in zip(rows, ids, values) if value > float("-inf")]

@@ -59,6 +59,29 @@ def chain_rejection(
     return len(draft), _draw(p[len(draft)], generator)
 
 
+def greedy_chain(draft: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """greedy_accept on the device: [accepted count, next token] for draft [k] and the target's argmax [k + 1] at
+    the root and after each draft (nothing read back)."""
+    count = (draft == target_argmax[:-1]).long().cumprod(0).sum()
+    return torch.stack([count, target_argmax[count]])
+
+
+def chain_rejection_on_device(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                              generator: torch.Generator | None = None) -> torch.Tensor:
+    """chain_rejection with every decision on the device: [accepted count, next token] for draft [k] ~ q [k, V]
+    against p [k + 1, V]. The k uniforms are drawn at once (the same rule: draft i is accepted iff u_i q_i(x) <
+    p_i(x) and every draft before it was); the next token comes from the first rejected row's residual, or from
+    p[k] when all are accepted."""
+    k = len(draft)
+    px = p[:k].gather(1, draft[:, None])[:, 0]
+    qx = q.gather(1, draft[:, None])[:, 0]
+    u = torch.rand(k, generator=generator, device=p.device)
+    count = (u * qx < px).long().cumprod(0).sum()
+    rows = torch.cat([residual(p[:k], q), p[k:k + 1]])  # the next token's distribution after each outcome
+    token = torch.multinomial(rows[count], 1, generator=generator)[0]
+    return torch.stack([count, token])
+
+
 def verify_siblings(
     candidates: list[int], p: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[int | None, int]:

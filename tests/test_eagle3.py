@@ -42,6 +42,14 @@ class Oracle(EAGLE3):
                 logits[row, right] = 10.0
         return super()._children(nodes, frontier, logits, depth, width, sampler)
 
+    def _chain_logits(self, state, base, depth):
+        logits = super()._chain_logits(state, base, depth).clone()
+        right = self.reference.get(base + depth)
+        if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
+            logits[:] = -10.0
+            logits[right] = 10.0
+        return logits
+
 
 @pytest.mark.parametrize("arch, width", [("llama", 1), ("qwen3", 1), ("qwen3_5", 1), ("llama", 4), ("qwen3", 4),
                                          ("qwen3_5", 2), ("qwen3_5", 4)])
@@ -79,6 +87,13 @@ def test_a_tree_rescues_a_wrong_first_choice():
                 logits[:, right] = 10.0
                 logits[:, (right + 1) % logits.shape[-1]] = 11.0 if depth == 1 else 0.0
                 return EAGLE3._children(self, nodes, frontier, logits, depth, width, sampler)
+
+            def _chain_logits(self, state, base, depth):
+                logits = torch.zeros(model.config.vocab_size)
+                right = self.reference.get(base + depth, 0)
+                logits[right] = 10.0
+                logits[(right + 1) % len(logits)] = 11.0 if depth == 1 else 0.0
+                return logits
 
         generation = SecondBest(method, by_position, 1.0).generate(prompt, 17, Sampler(GREEDY))
         assert generation.output_ids == reference

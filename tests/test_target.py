@@ -29,7 +29,7 @@ def test_stage_by_stage_prefill_matches_hf_full_forward_logits_and_hidden_states
     ids = torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(1))
     reference = model(ids[None], output_hidden_states=True)
     runtime = TargetRuntime(model)
-    h, positions, captured = runtime.embed(ids), torch.arange(17), {}
+    h, positions, captured = runtime.embed(ids), range(17), {}
     for lo, hi in _stages(sizes):
         h, got = runtime.run_layers(lo, hi, h, positions, capture=tuple(range(7)))
         captured.update(got)
@@ -55,7 +55,7 @@ def test_tokens_crossing_stages_one_at_a_time_match_full_forward(model, sizes):
         for depth, (lo, hi) in enumerate(stages):
             position = cycle - depth
             if position in in_flight and 5 <= position:
-                in_flight[position], _ = runtime.run_layers(lo, hi, in_flight[position], torch.tensor([position]))
+                in_flight[position], _ = runtime.run_layers(lo, hi, in_flight[position], range(position, position + 1))
                 if depth == len(stages) - 1:
                     logits[position] = runtime.logits(in_flight.pop(position))[0]
     for position in range(5, 12):
@@ -131,7 +131,7 @@ def test_tree_rows_with_custom_mask_match_each_branch_run_alone_and_compaction_c
     assert (logits[:3] - alone(branch_a)).abs().max() < TOL
     assert (logits[3:] - alone(branch_b)).abs().max() < TOL
 
-    runtime.cache.move(torch.tensor([9, 10]), dst_start=6)  # keep branch b
+    runtime.cache.move([9, 10], dst_start=6)  # keep branch b
     runtime.truncate(8)
     nxt = torch.tensor([17])
     got = runtime.forward(nxt, start=8)[0]
@@ -178,8 +178,17 @@ def test_siblings_through_linear_layers_match_each_branch_alone_over_several_lev
     for name, path in seen.items():
         alone = TargetRuntime(model).forward(torch.cat([prompt, torch.tensor([tokens[a] for a in path])]), 0)[0][-1]
         assert (got[name] - alone).abs().max() < TOL, name
-    runtime.cache.move(torch.tensor([8, 12]), dst_start=5)  # accept B then B2: their states are filed at 5, 6
+    runtime.cache.move([8, 12], dst_start=5)  # accept B then B2: their states are filed at 5, 6
     runtime.truncate(7)
     nxt = torch.tensor([3])
     expected = TargetRuntime(model).forward(torch.cat([prompt, torch.tensor([tokens["B"], tokens["B2"]]), nxt]), 0)[0]
     assert (runtime.forward(nxt, start=7)[0] - expected[-1:]).abs().max() < TOL
+
+
+def test_contiguous_positions_travel_as_a_range_and_a_tensor_without_slots_is_refused():
+    model = tiny_model("llama")
+    runtime = TargetRuntime(model)
+    with pytest.raises(TypeError, match="as a range"):
+        runtime.run_layers(0, 2, runtime.embed(torch.tensor([1, 2])), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="needs its mask="):
+        runtime.cache.begin(torch.tensor([0]), slots=torch.tensor([0]))

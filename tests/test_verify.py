@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from methods.sampling import Sampler, SamplingConfig
-from methods.verify import chain_rejection, greedy_accept, residual, verify_siblings, verify_tree
+from methods.verify import (
+    chain_rejection,
+    chain_rejection_on_device,
+    greedy_accept,
+    greedy_chain,
+    residual,
+    verify_siblings,
+    verify_tree,
+)
 
 V = 6
 SAMPLES = 40_000
@@ -52,7 +60,12 @@ def test_chain_rejection_single_token_output_follows_p():
     assert _tv(_histogram(draw), p) < TV_BOUND
 
 
-def test_chain_rejection_two_token_joint_distribution_follows_p():
+def _on_device(draft, q, p, generator):
+    return tuple(chain_rejection_on_device(torch.tensor(draft), q, p, generator).tolist())
+
+
+@pytest.mark.parametrize("rule", [chain_rejection, _on_device], ids=["host", "device"])
+def test_chain_rejection_two_token_joint_distribution_follows_p(rule):
     p1, q1 = _dist(4), _dist(5)
     p2 = [_dist(10 + a) for a in range(V)]  # target next-token distribution after first token a
     q2 = [_dist(20 + a) for a in range(V)]
@@ -62,13 +75,23 @@ def test_chain_rejection_two_token_joint_distribution_follows_p():
         x1 = int(torch.multinomial(q1, 1, generator=g))
         x2 = int(torch.multinomial(q2[x1], 1, generator=g))
         p = torch.stack([p1, p2[x1], _dist(99)])
-        accepted, nxt = chain_rejection([x1, x2], torch.stack([q1, q2[x1]]), p, g)
+        accepted, nxt = rule([x1, x2], torch.stack([q1, q2[x1]]), p, g)
         if accepted == 0:  # the second token then comes from the target itself
             return nxt * V + int(torch.multinomial(p2[nxt], 1, generator=g))
         return x1 * V + (x2 if accepted == 2 else nxt)
 
     joint = torch.cat([p1[a] * p2[a] for a in range(V)])
     assert _tv(_histogram(draw, size=V * V), joint) < 2 * TV_BOUND
+
+
+def test_the_device_chain_rules_decide_as_the_host_ones():
+    target = torch.tensor([4, 5, 6, 7])
+    for draft in ([4, 5, 6], [4, 9, 6], [1, 5, 6], [4, 5, 7]):
+        count = greedy_accept(draft, target.tolist())
+        assert greedy_chain(torch.tensor(draft), target).tolist() == [count, int(target[count])]
+    p, q = torch.eye(V)[:3], torch.eye(V)[:2]  # point masses: a draft equal to p's token is always accepted
+    assert chain_rejection_on_device(torch.tensor([0, 1]), q, p).tolist() == [2, 2]
+    assert chain_rejection_on_device(torch.tensor([0, 3]), torch.stack([q[0], torch.eye(V)[3]]), p).tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("width", [1, 4])

@@ -34,8 +34,27 @@ class BenchResult:
     ratios: list[float]  # HF time / our time for the same prompt and tokens; > 1 means ours is faster
     median_ratio: float
     identical: bool
+    tokens: int  # generated per prompt and repeat, summed (the same for both sides when identical)
+    weights_bytes: int  # every parameter the decode step reads once
+    read_gb_s: float  # this machine's measured read bandwidth (a sum over a weights-sized buffer)
+    floor_tok_s: float  # read_gb_s / weights: the tokens/s a decode step bound by reading its weights reaches
+    ours_tok_s: float
+    hf_tok_s: float
     versions: dict
     config_key: str
+
+
+def read_bandwidth(size_bytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Bytes/s read by a sum over a buffer of `size_bytes` (the best of `repeats`: the machine's reachable rate)."""
+    buffer = torch.ones(max(1, size_bytes // 4), dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first touches the pages
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        buffer.sum().item()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
 
 
 def _timed(fn, ids: list[int]) -> tuple[float, list[int]]:
@@ -66,7 +85,7 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
         )
         return out[0, len(ids):].tolist()
 
-    ours_s, hf_s, ratios, identical = [], [], [], True
+    ours_s, hf_s, ratios, identical, tokens = [], [], [], True, 0
     with torch.inference_mode():
         run_ours(prompt_ids[0][:16]), run_hf(prompt_ids[0][:16])  # warm-up both paths
         pairs = [(r, ids) for r in range(repeats) for ids in prompt_ids]
@@ -78,16 +97,22 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
                 t_hf, out_hf = _timed(run_hf, ids)
                 t_ours, out_ours = _timed(run_ours, ids)
             identical &= out_ours == out_hf
+            tokens += len(out_ours)
             ours_s.append(t_ours)
             hf_s.append(t_hf)
             ratios.append(t_hf / t_ours)
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    bandwidth = read_bandwidth(weights, loaded.device)
     spec = {"kind": "bench-ar", "model": loaded.identity.to_dict(), "dataset": dataset, "prompts": prompts,
             "max_new_tokens": max_new_tokens, "dtype": str(loaded.dtype), "device": loaded.device.type}
     return BenchResult(
         kind="bench-ar", model=loaded.identity.to_dict(), dtype=str(loaded.dtype).removeprefix("torch."),
         device=loaded.device.type, dataset=dataset, prompts=len(prompt_ids), repeats=repeats,
         max_new_tokens=max_new_tokens, ours_seconds=ours_s, hf_seconds=hf_s, ratios=ratios,
-        median_ratio=statistics.median(ratios), identical=identical, versions=versions(), config_key=config_key(spec),
+        median_ratio=statistics.median(ratios), identical=identical, tokens=tokens, weights_bytes=weights,
+        read_gb_s=round(bandwidth / 1e9, 2), floor_tok_s=round(bandwidth / weights, 2),
+        ours_tok_s=round(tokens / sum(ours_s), 2), hf_tok_s=round(tokens / sum(hf_s), 2),
+        versions=versions(), config_key=config_key(spec),
     )
 
 

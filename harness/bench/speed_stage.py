@@ -75,9 +75,9 @@ def bench_stages(target: TargetRuntime, model_name: str, n: int, widths: list[in
 
 def _timed_call(target: TargetRuntime, lo: int, hi: int, hidden: torch.Tensor, position: int, width: int) -> float:
     """One level at `position`: a chain call at width 1, a tree of `width` siblings of the last prompt token else."""
-    positions = torch.full((width,), position, device=target.device)
-    tree = {}
+    positions, tree = range(position, position + 1), {}
     if width > 1:
+        positions = torch.full((width,), position, device=target.device)
         slots = position + torch.arange(width, device=target.device)
         mask = torch.zeros(width, position + width, dtype=torch.bool, device=target.device)
         mask[:, :position] = True
@@ -96,9 +96,7 @@ def _sync(target: TargetRuntime) -> None:
 
 
 def _kv_bytes(target: TargetRuntime, lo: int, hi: int) -> int:
-    cache = target.cache
-    return sum(buffer[:, :, :1].numel() * buffer.element_size() * 2 for layer, buffer in cache.keys.items()
-               if lo <= layer < hi)
+    return target.cache.kv_bytes(range(lo, hi))
 
 
 def _linear_bytes(target: TargetRuntime, lo: int, hi: int, label: int) -> int:

@@ -1,4 +1,4 @@
-"""`spd-bench bench ar|train|stage` and `selfcheck`: speed benchmarks and the self-check on random real-shape models."""
+"""`spd-bench bench ar|dispatch|train|stage` and `selfcheck`: speed benchmarks and the self-check on random real-shape models."""
 
 from __future__ import annotations
 
@@ -44,7 +44,37 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     click.echo(f"outputs identical to HF generate: {result.identical}")
     click.echo(f"median speed ratio (HF generate time / harness AR time) over {len(result.ratios)} pairs: "
                f"{result.median_ratio:.3f}")
+    click.echo(f"floor: {result.weights_bytes / 1e6:.0f} MB of weights per token at a measured {result.read_gb_s:.1f} "
+               f"GB/s read = {result.floor_tok_s:.1f} tok/s; harness AR {result.ours_tok_s:.1f} tok/s "
+               f"({result.ours_tok_s / result.floor_tok_s:.0%} of the floor), HF generate {result.hf_tok_s:.1f} "
+               f"({result.hf_tok_s / result.floor_tok_s:.0%})")
     click.echo(f"record: {out}")
+
+
+@bench.command("dispatch")
+@click.option("--method", "configurations", multiple=True,
+              help="A configuration to count, method[:key=value,...], e.g. eagle3:m=3,width=4 (repeatable; default: "
+                   "every method at its defaults, and at width 4 where it drafts trees; those without a drafter for the model are "
+                   "left out).")
+@model_option
+@click.option("--dataset", default="gsm8k", show_default=True, type=click.Choice(DATASETS))
+@click.option("--prompts", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@device_option
+@dtype_option
+@data_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/dispatch.jsonl"),
+              show_default=True)
+def bench_dispatch_command(configurations, model, dataset, prompts, max_new_tokens, device, dtype, data_dir, out):
+    """aten ops and host syncs per generated token and per step for each configuration, beside HF generate on the
+    same prompts (exact counts from a dispatch mode: the same on every machine)."""
+    from harness.bench import dispatch
+
+    results = dispatch.bench_dispatch(list(configurations) or dispatch.default_configurations(), model, dataset,
+                                      prompts, max_new_tokens, device, dtype, data_dir, skip_missing=not configurations)
+    dispatch.record(results, out)
+    click.echo(dispatch.table(results), nl=False)
+    click.echo(f"records: {out}")
 
 
 @bench.command("train")

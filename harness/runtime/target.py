@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
+# A call's token positions: contiguous ones as a range (the host knows them, nothing is read back), any others as a
+# tensor beside the slots they go to.
+Positions = range | torch.Tensor
 
 
 @dataclass
@@ -60,70 +63,84 @@ class StateCache:
     the newest are dropped; a sibling level's rows are copied apart so a pruned sibling frees its memory.
     """
 
-    def __init__(self, layer_types: list[str], max_len: int, rewind_window: int):
+    def __init__(self, layer_types: list[str], max_len: int, rewind_window: int, device: torch.device | str = "cpu"):
         self.layer_types = layer_types
+        self.device = torch.device(device)
         self.max_len = max_len
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        # Every attention layer's keys and values in one buffer [2 * layers, B, heads, max_len, head dim] (layer i's
+        # at 2 * pair[i] and the next), so one narrow and one unbind per call give every layer its views.
+        self.pair = {i: k for k, i in enumerate(i for i, kind in enumerate(layer_types) if kind == "full_attention")}
+        self.kv: torch.Tensor | None = None
+        self._views: tuple[torch.Tensor, ...] | None = None  # this call's views of kv up to kv_end
         self.rewind_window = rewind_window
         self.linear: dict[int, dict[int, _Row]] = {i: {} for i, kind in enumerate(layer_types)
                                                    if kind == "linear_attention"}
-        self.write: slice | torch.Tensor = slice(0, 0)
+        self.write = torch.zeros(0, dtype=torch.long)  # the slots this call's tokens write
         self.kv_end = 0
         self._call = _LinearCall(0, -1, [], [])
         self._rows: list[_Row] | None = None  # the states the current linear-layer call continues
         self._conv_in: torch.Tensor | None = None
         self._conv_out: torch.Tensor | None = None
 
-    def begin(self, positions: torch.Tensor, slots: torch.Tensor | None = None,
+    def begin(self, positions: Positions, slots: torch.Tensor | None = None,
               mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Set where this call's KV goes (default: slots = positions) and return its attention mask.
 
-        `mask` [T, kv_end] says which cache slots each token sees (its width sets kv_end, so a row may see
-        slots above its own); the default is every slot up to its own (causal). Returns a boolean [1, 1, T, kv_end] mask, or None when a single query may see every slot.
+        Contiguous positions come as a `range`, so the host knows where they start without reading a tensor back.
+        `mask` [T, kv_end] says which cache slots each token sees (its width sets kv_end, so a row may see slots above
+        its own); the default is every slot up to its own (causal). Returns a boolean [1, 1, T, kv_end] mask, or None
+        when a single query may see every slot.
         """
         if slots is None:
-            start, end = int(positions[0]), int(positions[0]) + len(positions)
-            self.write, self.kv_end, slots = slice(start, end), end, positions
+            if not isinstance(positions, range):
+                raise TypeError("contiguous positions go to the cache as a range (slots= places any others)")
+            start, end = positions.start, positions.stop
+            self.write, self.kv_end = torch.arange(start, end, device=self.device), end
             self._call = _LinearCall(start, end - 1, [start - 1], [end - 1])
+            count = end - start
         else:  # linear layers take a tree level by level (see `branch`)
-            self.write = slots
-            self.kv_end = mask.shape[-1] if mask is not None else int(slots.max()) + 1
-            if int(slots.max()) >= self.kv_end:
-                raise ValueError(f"slot {int(slots.max())} lies outside the mask's {self.kv_end} columns")
+            if mask is None:
+                raise ValueError("a call with slots= needs its mask=, whose width says how many slots it sees")
+            self.write, self.kv_end, count = slots, mask.shape[-1], len(slots)
+            torch._assert_async((slots < self.kv_end).all(), "a slot lies outside the mask's columns")
         if self.kv_end > self.max_len:
             raise ValueError(f"sequence length {self.kv_end} exceeds the cache's max_len {self.max_len}")
+        self._views = None
         if mask is None:
-            if len(slots) == 1:
+            if count == 1:
                 return None
-            keys = torch.arange(self.kv_end, device=slots.device)
-            return (keys[None, :] <= slots[:, None])[None, None]
-        if mask.shape != (len(slots), self.kv_end):
-            raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(len(slots), self.kv_end)}")
+            keys = torch.arange(self.kv_end, device=self.device)
+            return (keys[None, :] <= self.write[:, None])[None, None]
+        if mask.shape != (count, self.kv_end):
+            raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(count, self.kv_end)}")
         return mask.to(torch.bool)[None, None]
 
     # --- attention layers -------------------------------------------------------------------------------------
     def update(self, key, value, layer_idx, **_):
-        if layer_idx not in self.keys:
-            shape = (key.shape[0], key.shape[1], self.max_len, key.shape[3])
-            self.keys[layer_idx] = key.new_zeros(shape)
-            self.values[layer_idx] = value.new_zeros(shape)
-        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        if isinstance(self.write, slice):  # the decode hot path: narrow().copy_() avoids generic indexing
-            k_buf.narrow(2, self.write.start, key.shape[2]).copy_(key)
-            v_buf.narrow(2, self.write.start, value.shape[2]).copy_(value)
-        else:
-            k_buf[:, :, self.write] = key
-            v_buf[:, :, self.write] = value
-        return k_buf.narrow(2, 0, self.kv_end), v_buf.narrow(2, 0, self.kv_end)
+        if self.kv is None:
+            self.kv = key.new_zeros((2 * len(self.pair), key.shape[0], key.shape[1], self.max_len, key.shape[3]))
+        if self._views is None:
+            self._views = self.kv.narrow(3, 0, self.kv_end).unbind(0)
+        k, v = self._views[2 * self.pair[layer_idx]], self._views[2 * self.pair[layer_idx] + 1]
+        with torch.no_grad():  # the cache is never trained through; unbind's views may only be written so
+            k.index_copy_(2, self.write, key)
+            v.index_copy_(2, self.write, value)
+        return k, v
 
-    def move(self, src: torch.Tensor, dst_start: int) -> None:
+    def kv_bytes(self, layers: range) -> int:
+        """Bytes of keys and values one slot holds in `layers`."""
+        if self.kv is None:
+            return 0
+        count = sum(i in self.pair for i in layers)
+        return 2 * count * self.kv[0, :, :, 0].numel() * self.kv.element_size()
+
+    def move(self, src: list[int], dst_start: int) -> None:
         """Copy the KV of slots `src` to contiguous slots from `dst_start` (keeps an accepted tree path); linear
         layers file its states under those positions."""
-        dst = slice(dst_start, dst_start + len(src))
-        for buf in (*self.keys.values(), *self.values.values()):
-            buf[:, :, dst] = buf[:, :, src]
-        self.move_linear(src.tolist(), dst_start)
+        if self.kv is not None:
+            dst = slice(dst_start, dst_start + len(src))
+            self.kv[:, :, :, dst] = self.kv[:, :, :, torch.tensor(src, device=self.kv.device)]
+        self.move_linear(src, dst_start)
 
     # --- linear-attention layers ------------------------------------------------------------------------------
     def branch(self, position: int, parents: list[int], labels: list[int]) -> None:
@@ -259,14 +276,14 @@ class TargetRuntime:
         self.dtype = next(model.parameters()).dtype
         if self.device.type == "cpu":
             column_major_linears(model)
-        self.cache = StateCache(self.layer_types, max_len, rewind_window)
+        self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device)
 
     @property
     def has_linear_layers(self) -> bool:
         return "linear_attention" in self.layer_types
 
     def reset(self) -> None:
-        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window)
+        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window, self.device)
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
@@ -280,35 +297,37 @@ class TargetRuntime:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on pre-norm hidden states [1, T, D] -> float32 logits [T, V]."""
-        return self.model.lm_head(self.final_norm(h))[0].float()
+        logits = self.model.lm_head(self.final_norm(h))[0]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def run_layers(
         self,
         lo: int,
         hi: int,
         h: torch.Tensor,
-        positions: torch.Tensor,
+        positions: Positions,
         *,
         slots: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         parents: torch.Tensor | None = None,
         capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run layers [lo, hi) on h [1, T, D] at `positions` [T].
+        """Run layers [lo, hi) on h [1, T, D] at `positions` [T] (a range where they are contiguous).
 
         KV goes to `slots` (default: the positions). `mask` [T, kv_end] says which cache slots each token sees
         (default: every slot up to its own, i.e. causal). A tree (slots given) through linear-attention layers also
         needs `parents` [T]: the slot of the token each one continues. Returns the output and the hidden states h[k]
         for k in `capture` within [lo, hi] (h[0] = embedding, h[k] = output of layer k, pre-norm).
         """
-        positions = positions.to(self.device)
         attn_mask = self.cache.begin(positions, None if slots is None else slots.to(self.device),
                                      None if mask is None else mask.to(self.device))
+        positions = self.cache.write if slots is None else positions.to(self.device)  # contiguous: where they write
         branched = slots is not None and any(t == "linear_attention" for t in self.layer_types[lo:hi])
         if branched and parents is None:
             raise ValueError("a tree through linear-attention layers needs each token's parent slot (parents=)")
         levels = _levels(positions, slots, parents) if branched else []
-        rope = self.backbone.rotary_emb(h, positions[None])
+        position_ids = positions[None]
+        rope = self.backbone.rotary_emb(h, position_ids)
         captured = {lo: h} if lo in capture else {}
         for i in range(lo, hi):
             if self.layer_types[i] == "linear_attention" and levels:
@@ -317,7 +336,7 @@ class TargetRuntime:
                 h = self.layers[i](
                     h,
                     attention_mask=attn_mask if self.layer_types[i] == "full_attention" else None,
-                    position_ids=positions[None],
+                    position_ids=position_ids,
                     position_embeddings=rope,
                     cache=self.cache,
                 )
@@ -338,6 +357,6 @@ class TargetRuntime:
 
     def forward(self, ids: torch.Tensor, start: int, capture: tuple[int, ...] = ()):
         """All layers on contiguous tokens from position `start`; returns logits [T, V] and captured states."""
-        positions = torch.arange(start, start + len(ids), device=self.device)
-        h, captured = self.run_layers(0, self.num_layers, self.embed(ids), positions, capture=capture)
+        h, captured = self.run_layers(0, self.num_layers, self.embed(ids), range(start, start + len(ids)),
+                                      capture=capture)
         return self.logits(h), captured

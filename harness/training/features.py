@@ -45,8 +45,7 @@ def teacher_pass(target: TargetRuntime, ids: torch.Tensor, layers: tuple[int, ..
     dtype)."""
     target.reset()
     h = target.backbone.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    h, captured = target.run_layers(0, target.num_layers, h, positions, capture=layers)
+    h, captured = target.run_layers(0, target.num_layers, h, range(ids.shape[1]), capture=layers)
     final = target.backbone.norm(h)
     lse = torch.logsumexp(target.model.lm_head(final).float(), dim=-1)
     return {k: v.float() for k, v in captured.items()}, final.float(), lse

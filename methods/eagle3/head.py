@@ -249,7 +249,7 @@ class HeadSession:
     def __init__(self, head: EagleHead, max_len: int):
         self.head = head
         self.device = head.head.weight.device
-        self.cache = StateCache(["full_attention"], max_len, rewind_window=0)
+        self.cache = StateCache(["full_attention"], max_len, rewind_window=0, device=self.device)
         self.root: torch.Tensor | None = None  # output state of the newest target-feature row
 
     @classmethod
@@ -264,9 +264,16 @@ class HeadSession:
         newest row's output becomes the root the next draft starts from."""
         head = self.head
         positions = torch.arange(start, start + len(tokens), device=self.device)
-        mask = self.cache.begin(positions - 1)
+        mask = self.cache.begin(range(start - 1, start - 1 + len(tokens)))
         out = head.rows(head.embed(positions.new_tensor(tokens)[None]), head.fused(features), positions, mask, self.cache)
         self.root = out[:, -1:]
+
+    def chain_row(self, token: torch.Tensor, state: torch.Tensor, base: int, depth: int) -> torch.Tensor:
+        """The row of a chain's draft `token` [1] at depth `depth` (slot base + depth - 1), reading the state of the
+        row before it: it sees every slot below its own, so no mask is needed and nothing is read back."""
+        head, slot = self.head, base + depth - 1
+        mask = self.cache.begin(range(slot, slot + 1))
+        return head.rows(head.embed(token[None]), state, self.cache.write + 1, mask, self.cache)
 
     def draft_rows(self, nodes: list[Node], level: list[int], base: int) -> torch.Tensor:
         """Rows for the nodes of one level, reading their parents' states; node i sits in slot base + i."""

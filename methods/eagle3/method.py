@@ -15,7 +15,17 @@ from methods.base import Generation, HeadExport, ImportFormat, Method, Timer, pa
 from methods.eagle3.head import LAYOUTS, EagleConfig, EagleHead, HeadSession, head_tag, load_head, train_command
 from methods.eagle3.interop import check_export_target, export_head, import_eagle3, import_folder, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
-from methods.rounds import DRAFT_POSITIONS, DraftShape, Node, Rounds, rounds_on_trajectory, target_prefill, verify_round
+from methods.rounds import (
+    DRAFT_POSITIONS,
+    Chain,
+    DraftShape,
+    Node,
+    Rounds,
+    rounds_on_trajectory,
+    target_prefill,
+    verify_chain,
+    verify_round,
+)
 from methods.sampling import Sampler
 from methods.stats import Stats, same
 from methods.teacher import Teacher
@@ -107,6 +117,8 @@ class EAGLE3(Method):
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         timer = Timer(self.target.device)
         first, captured = self.prefill(prompt_ids, sampler, timer)
+        if self.params.width == 1:
+            return self._chain_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
         return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
 
     def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
@@ -154,6 +166,45 @@ class EAGLE3(Method):
                     head.append(new, features, start=base + 1)
         return rounds.generation(timer.totals, EagleStats(candidates=candidates, draft=self._shape()))
 
+    def _chain_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
+                      timer: Timer) -> Generation:
+        """Width 1: the chain is drafted, verified and decided on the device; a round reads back once."""
+        with timer("prefill"):
+            head = HeadSession.started(self.head, self.target.max_len, prompt_ids, first, captured)
+        rounds = Rounds([first], self.params.m, max_new_tokens, self.stop_ids)
+        with timer("decode"):
+            while not rounds.done:
+                base = len(prompt_ids) + rounds.base
+                with timer("drafter"):
+                    drafts = self._draft_chain(head, base, sampler)
+                with timer("verify"):
+                    count, tokens, features = verify_chain(self.target, self.layers, drafts, rounds.output[-1], base,
+                                                           sampler)
+                new = rounds.commit(tokens, count)
+                with timer("drafter"):
+                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
+        stats = EagleStats(candidates=self.params.m * len(rounds.accepted), draft=self._shape())
+        return rounds.generation(timer.totals, stats)
+
+    def _draft_chain(self, head: HeadSession, base: int, sampler: Sampler) -> Chain:
+        """m drafts after the root, each the argmax (T=0) or a draw from q (T>0), fed back as tensors."""
+        tokens, qs, state = [], [], head.root
+        for depth in range(1, self.params.m + 1):
+            logits = self._chain_logits(state, base, depth)
+            if sampler.greedy:
+                token = logits.argmax(-1, keepdim=True)
+            else:
+                qs.append(sampler.probs(logits))
+                token = torch.multinomial(qs[-1], 1, generator=sampler.generator)
+            tokens.append(token)
+            if depth < self.params.m:
+                state = head.chain_row(token, state, base, depth)
+        return Chain(torch.cat(tokens), torch.stack(qs) if qs else None)
+
+    def _chain_logits(self, state: torch.Tensor, base: int, depth: int) -> torch.Tensor:
+        """Draft logits [V] (full vocabulary) for position base + depth from the row state before it."""
+        return self.head.full_vocab(self.head.head_logits(state))[0, 0]
+
     def _shape(self) -> DraftShape:
         return DraftShape(self.target.num_layers, 1, self.params.m, self.params.width)
 
@@ -176,12 +227,8 @@ class EAGLE3(Method):
 
     def _children(self, nodes: list[Node], frontier: list[int], logits: torch.Tensor, depth: int, width: int,
                   sampler: Sampler) -> list[int]:
-        """Add the next level: a sampled token (chain, T > 0) or the `width` best children by cumulative score."""
+        """Add the next level: the `width` best children by cumulative score."""
         start = len(nodes)
-        if width == 1 and not sampler.greedy:
-            q = sampler.probs(logits[0])
-            nodes.append(Node(sampler.draw(q), frontier[0], depth, q=q))
-            return [start]
         scores = [nodes[i].score if i >= 0 else 0.0 for i in frontier]
         for row, token, score in sampler.best_children(logits, scores, width):
             nodes.append(Node(token, frontier[row], depth, score))

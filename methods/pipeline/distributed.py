@@ -22,7 +22,7 @@ import torch
 
 from harness.runtime.distributed import STOP, Channel
 from harness.runtime.errors import HarnessError
-from harness.runtime.target import TargetRuntime
+from harness.runtime.target import Positions, TargetRuntime
 from methods.pipeline.executor import StageExecutor
 from methods.pipeline.tree import Level, Token, is_chain
 from methods.stats import Executor
@@ -187,7 +187,7 @@ class StageServer:
         self.seconds = 0.0
 
     def _move(self, values: list[int]) -> None:
-        self.runtime.cache.move(torch.tensor([values[0]], device=self.runtime.device), values[1])
+        self.runtime.cache.move([values[0]], values[1])
 
     def _stats(self, values: list[int]) -> None:
         self.channel.send(torch.tensor([self.seconds], dtype=torch.float64), 0)
@@ -195,7 +195,7 @@ class StageServer:
     def _prefill(self, values: list[int]) -> None:
         stage, length = values[:2]
         if stage == self.stage:  # the prompt passes the stages one after another
-            self._forward(length, torch.arange(length), chain=True, kv_end=length, step=False)
+            self._forward(length, range(length), chain=True, kv_end=length, step=False)
 
     def _advance(self, values: list[int]) -> None:
         chain, kv_end = values[:2]
@@ -203,12 +203,13 @@ class StageServer:
         count = tail[self.stage]
         if count:
             position = tail[self.plan.n + self.stage]
-            self._forward(count, torch.full((count,), position), chain=bool(chain), kv_end=kv_end)
+            positions = range(position, position + count) if chain else torch.full((count,), position)
+            self._forward(count, positions, chain=bool(chain), kv_end=kv_end)
 
     def _receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.channel.recv(shape, dtype, 0)
 
-    def _forward(self, count: int, positions: torch.Tensor, chain: bool, kv_end: int, step: bool = True) -> None:
+    def _forward(self, count: int, positions: Positions, chain: bool, kv_end: int, step: bool = True) -> None:
         """Run this stage's layers on what the driver sends and return output and features; pipeline steps (not the
         prefill) count towards the stage's forward seconds."""
         runtime = self.runtime

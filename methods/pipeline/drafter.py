@@ -15,7 +15,8 @@ class Drafter:
 
     def __init__(self, speculator: Speculator, max_len: int):
         self.speculator = speculator
-        self.cache = StateCache(["full_attention"] * speculator.config.ls, max_len, rewind_window=0)
+        self.cache = StateCache(["full_attention"] * speculator.config.ls, max_len, rewind_window=0,
+                                device=next(speculator.parameters()).device)
         self.final = 0  # rows below this position are final (depth n) in the cache
 
     def logits(self, finished: list[Token], levels: list[Level]) -> torch.Tensor:
@@ -30,8 +31,8 @@ class Drafter:
             raise ValueError(f"drafter rows start at {rows[0].position}, but rows below {self.final} are final")
         x = torch.cat([spec.project(r.depth, r.features) for r in rows], dim=1)
         positions = torch.tensor([r.position for r in rows], device=x.device)
-        if is_chain(levels):
-            mask = self.cache.begin(positions)
+        if is_chain(levels):  # rows of consecutive positions: the finished ones, then the in-flight ones
+            mask = self.cache.begin(range(rows[0].position, rows[0].position + len(rows)))
         else:
             slots = [r.slot for r in rows]
             base = levels[0][0].position

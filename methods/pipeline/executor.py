@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.runtime.target import TargetRuntime
+from harness.runtime.target import Positions, TargetRuntime
 from methods.pipeline.tree import Level, Token, is_chain, tree_mask
 from methods.stats import Executor
 
@@ -28,7 +28,7 @@ class StageCall:
     hi: int
     wanted: tuple[int, ...]
     hidden: torch.Tensor  # [1, B, D]
-    positions: torch.Tensor  # [B], one position (siblings share it)
+    positions: Positions  # a chain's one position as a range; a tree level's [B] (siblings share it)
     slots: torch.Tensor | None  # trees: sibling KV slots [B]
     mask: torch.Tensor | None  # trees: [B, kv_end]
     parents: torch.Tensor | None  # trees: the slot each token continues [B] (linear-attention layers)
@@ -78,9 +78,9 @@ class StageExecutor(ABC):
     def stage_call(self, level: Level, chain: bool, base: int, kv_end: int) -> StageCall:
         """The step of `level` through the stage at its depth (trees: sibling slots and a tree mask)."""
         lo, hi = self.bounds[level[0].depth]
-        positions = torch.full((len(level),), level[0].position, device=self.device)
-        slots = mask = parents = None
+        positions, slots, mask, parents = range(level[0].position, level[0].position + 1), None, None, None
         if not chain:
+            positions = torch.full((len(level),), level[0].position, device=self.device)
             slots = torch.tensor([t.slot for t in level], device=self.device)
             mask = tree_mask(level, base, kv_end)
             parents = torch.tensor([t.position - 1 if t.parent is None else t.parent.slot for t in level],
@@ -142,5 +142,5 @@ class LocalExecutor(StageExecutor):
 
     def commit(self, chosen: Token) -> None:
         if chosen.slot != chosen.position:
-            self.target.cache.move(torch.tensor([chosen.slot], device=self.device), chosen.position)
+            self.target.cache.move([chosen.slot], chosen.position)
             chosen.slot = chosen.position

@@ -61,10 +61,10 @@ def fill_state_accepts(speculator: Speculator, teacher: Teacher, chunk_rows: int
     size, start = teacher.length, teacher.prompt_len
     top = max(0, n - 1 - query)
     accepts = torch.full((size, top + 1), float("nan"))
-    cache = StateCache(["full_attention"] * config.ls, size + chunk_rows + n, rewind_window=0)
     projected = torch.cat([speculator.project(d, teacher.features) for d in range(n + 1)])  # [depth, S, D]
+    cache = StateCache(["full_attention"] * config.ls, size + chunk_rows + n, rewind_window=0, device=projected.device)
     positions = torch.arange(size, device=projected.device)
-    finished = speculator.decode(projected[n:], positions, cache.begin(positions), cache)
+    finished = speculator.decode(projected[n:], positions, cache.begin(range(size)), cache)
     queries = list(range(start, size - 1))  # drafts for positions start+1 .. S-1
     if query >= n:  # n = 1, output schedule: the newest token has finished; the drafter sees finished rows only
         _store(accepts, speculator, teacher, queries, [0] * len(queries), finished[:, queries])

@@ -139,9 +139,9 @@ class TeacherForcedExecutor(StageExecutor):
         branch may leave after any of them; the target keeps the last `rewind_window`)."""
         while self.linear and self.linear_end <= upto:
             end = self.teacher.prompt_len if self.linear_end == 0 else self.linear_end + 1
-            positions = torch.arange(self.linear_end, end, device=self.device)
             for i in self.linear:
-                self.target.run_layers(i, i + 1, self.teacher.features[i][:, self.linear_end: end], positions)
+                self.target.run_layers(i, i + 1, self.teacher.features[i][:, self.linear_end: end],
+                                       range(self.linear_end, end))
             self.linear_end = end
 
     def _teacher_state(self, layer: int, position: int) -> torch.Tensor:

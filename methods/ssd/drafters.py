@@ -84,8 +84,8 @@ class _ModelRows:
         """Committed tokens at positions start..; the drafted rows above the committed prefix are forgotten first."""
         runtime = self.runtime
         runtime.truncate(start)
-        positions = torch.arange(start, start + len(tokens), device=runtime.device)
-        h, _ = runtime.run_layers(0, runtime.num_layers, runtime.embed(positions.new_tensor(tokens)), positions)
+        ids = torch.tensor(tokens, device=runtime.device)
+        h, _ = runtime.run_layers(0, runtime.num_layers, runtime.embed(ids), range(start, start + len(tokens)))
         self.root = h[:, -1:]
 
     def draft_rows(self, nodes: list[Node], level: list[int], base: int) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The engine's host budget, counted exactly (aten ops and host syncs from dispatch modes): plain decoding reads back
+one token per token and runs no more ops than HF `generate`; a draft-then-verify round reads back what it committed
+and little else. Counts do not depend on the machine's speed, so tests can hold them."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from harness.bench.dispatch import count_generation, counting, parse_configuration
+from harness.runtime.errors import HarnessError
+from harness.runtime.target import TargetRuntime
+from methods.base import build_method
+from methods.sampling import Sampler, SamplingConfig
+
+GREEDY = Sampler(SamplingConfig())
+PROMPTS = [list(range(10, 30)), [3, 4, 5, 6] * 5]
+
+
+def _counts(method, prompts=PROMPTS, tokens=24):
+    def generate(ids):
+        made = method.generate(ids, tokens, GREEDY)
+        return made.output_ids, made.steps
+
+    return count_generation(generate, prompts)
+
+
+def test_the_counter_sees_every_kind_of_read_back():
+    t = torch.tensor([3, 4, 5])
+    with counting() as counts:
+        int(t[0]), t.tolist(), t.nonzero(), bool((t > 4).any()), torch.equal(t, t), t[t > 3]
+    assert counts.syncs == 6, dict(counts.kinds)
+    assert set(counts.kinds) == {"int", "tolist", "nonzero", "bool", "equal", "boolean mask"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_autoregressive_reads_back_one_token_per_token_and_runs_no_more_ops_than_hf_generate(arch):
+    model = tiny_model(arch)
+    ours = build_method("autoregressive", TargetRuntime(model, max_len=128), {}, set())
+    counts, tokens, steps = _counts(ours)
+    assert counts.syncs <= tokens, dict(counts.sites)
+
+    def hf(ids):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                             pad_token_id=0)
+        return range(out.shape[1] - len(ids)), out.shape[1] - len(ids) - 1
+
+    with torch.inference_mode():
+        reference, hf_tokens, _ = count_generation(hf, PROMPTS)
+    assert hf_tokens == tokens
+    assert counts.ops / tokens <= reference.ops / hf_tokens, (counts.ops / tokens, reference.ops / hf_tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_prompt_lookup_round_reads_back_at_most_twice(arch):
+    method = build_method("lookup", TargetRuntime(tiny_model(arch), max_len=128), {"k": 4}, set())
+    counts, _, steps = _counts(method)
+    assert counts.syncs <= 2 * steps, dict(counts.sites)
+
+
+def test_a_configuration_names_its_method_and_parameters():
+    assert parse_configuration("eagle3:m=3,width=4") == ("eagle3", {"m": 3, "width": 4})
+    assert parse_configuration("spd") == ("spd", {})
+    with pytest.raises(HarnessError, match="must look like name:key=value"):
+        parse_configuration("spd:n")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_eagle3_chain_round_reads_back_once(temperature):
+    from methods.eagle3.head import EagleConfig, EagleHead
+    from methods.eagle3.method import EAGLE3, EagleParams
+
+    target = TargetRuntime(tiny_model("llama"), max_len=128)
+    head = EagleHead(EagleConfig(ttt=3, num_layers=6), target).eval()
+    method = EAGLE3(target, EagleParams(m=3, width=1, ttt=3), set(), head=head)
+    sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
+
+    def generate(ids):
+        made = method.generate(ids, 24, sampler)
+        return made.output_ids, made.steps
+
+    counts, _, steps = count_generation(generate, PROMPTS)
+    assert counts.syncs <= steps + 2 * len(PROMPTS), dict(counts.sites)  # + the prefill's token per prompt
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_an_spd_cycle_reads_back_at_most_twice(width):
+    from methods.pipeline.spd import SPD
+    from methods.pipeline.speculator import Speculator, SpeculatorConfig
+
+    target = TargetRuntime(tiny_model("llama", num_layers=8), max_len=256)
+    speculator = Speculator(SpeculatorConfig(n=4, ls=1, num_layers=8), target).eval()
+    method = SPD(target, SPD.Params(n=4, ls=1, width=width), set(), speculator=speculator)
+    counts, _, steps = _counts(method)
+    assert counts.syncs <= 2 * steps, dict(counts.sites)
