@@ -384,3 +384,25 @@ def test_records_carry_their_conditions_and_a_busy_machine_is_warned_of_and_mark
     assert [r["conditions"]["busy"] for r in _records(out)] == [False, True, True]
     summary = CliRunner().invoke(main, ["report", "--results", str(out), "--summary"])
     assert "(n=3, 2 busy)" in summary.output and "busy: 2 of 3 timed samples" in summary.output
+
+
+def test_threads_are_sized_to_the_cores_other_jobs_leave_unless_omp_num_threads_says(monkeypatch):
+    import torch
+
+    from harness.runtime import conditions
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(conditions, "usable_cores", lambda: 2)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(conditions, "other_load", lambda: 0.0)
+        assert conditions.fit_threads() is None and torch.get_num_threads() == 2  # alone: as torch chose
+        monkeypatch.setattr(conditions, "other_load", lambda: 2.0)  # two busy processes
+        assert "decoding with 1 thread(s) instead of 2" in conditions.fit_threads()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert conditions.fit_threads() is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

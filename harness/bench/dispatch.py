@@ -26,12 +26,16 @@ PROJECT = ("harness", "methods")  # the packages whose innermost frame names whe
 
 
 def _site() -> str:
-    """The innermost project frame of the current stack ("path:line"), or "elsewhere"."""
-    for frame in reversed(traceback.extract_stack()):
+    """Where a read back comes from: the innermost project frame ("path:line"), marked "library code via" it when
+    the read happens inside a library it called (HF generate's own checks, say)."""
+    stack = [f for f in traceback.extract_stack() if Path(f.filename).name != "dispatch.py"
+             and "torch" not in Path(f.filename).parts[-3:]]
+    for depth, frame in enumerate(reversed(stack)):
         parts = Path(frame.filename).parts
-        if any(p in PROJECT for p in parts) and "dispatch.py" not in parts[-1]:
+        if any(p in PROJECT for p in parts):
             start = max(i for i, p in enumerate(parts) if p in PROJECT)
-            return f"{'/'.join(parts[start:])}:{frame.lineno}"
+            site = f"{'/'.join(parts[start:])}:{frame.lineno}"
+            return site if depth == 0 else f"library code via {site}"
     return "elsewhere"
 
 

@@ -24,7 +24,7 @@ from harness.bench.config import (
 )
 from harness.bench.data import Sample, render_prompt
 from harness.runtime import distributed as launch
-from harness.runtime.conditions import Measuring, busy_warning
+from harness.runtime.conditions import Measuring, busy_warning, fit_threads
 from harness.runtime.errors import HarnessError
 from harness.runtime.lossless import ReferenceCache, compare, not_checked
 from harness.runtime.models import LoadedModel, ModelIdentity, load_model, stop_ids
@@ -103,8 +103,10 @@ class Runner:
             prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
             method = self.load_method(self.config.method, self.config.params, prompts)
             reference = self.load_method(REFERENCE_METHOD, {}, prompts)
-            if not self.config.simulate and (warning := busy_warning()):
-                tqdm.write(warning, file=sys.stderr)
+            if not self.config.simulate:
+                for line in (busy_warning(), fit_threads()):
+                    if line:
+                        tqdm.write(line, file=sys.stderr)
             with self._executor(method), torch.inference_mode():
                 if not self.config.simulate:
                     for warm in (method, reference):  # one-off allocation costs stay out of the timings

@@ -89,3 +89,29 @@ def busy_warning() -> str | None:
     return (f"warning: load average {load:.1f} on {cores} usable cores before timing: other jobs are running, so "
             f"this run's wall-clock figures will be slow and are marked busy in its records and the report; run "
             f"alone, or give each job its share of the cores (OMP_NUM_THREADS)")
+
+
+def other_load() -> float:
+    """Runnable threads of other processes now: the instantaneous count (the 1-minute average lags a job that just
+    started) less this process's own running thread."""
+    try:
+        with open("/proc/loadavg", encoding="utf-8") as fh:
+            running = int(fh.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return load_average() or 0.0
+    return max(0, running - 1)
+
+
+def fit_threads() -> str | None:
+    """Size torch's threads to the cores other jobs leave free (at least one), unless OMP_NUM_THREADS says how many:
+    a two-thread decode beside two busy processes ran 5.4 tok/s, the same with one thread 10.5-13.2 (README);
+    alone the count stays what torch chose. Returns a note when it changed the count."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    current, others, cores = torch.get_num_threads(), round(other_load()), usable_cores()
+    free = max(1, cores - others)
+    if free >= current:
+        return None
+    torch.set_num_threads(free)
+    return (f"note: other jobs keep {others} threads running on {cores} usable cores: decoding with {free} "
+            f"thread(s) instead of {current} (set OMP_NUM_THREADS to choose)")
