@@ -122,3 +122,12 @@ def test_export_into_a_file_is_one_line_and_writes_nothing(tmp_path):
         with pytest.raises(HarnessError, match="is a file|lies under the file"):
             export([_record("spd", 1, "a", 30, 10, 1.0)], "reference", out)
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_an_export_of_simulated_records_alone_says_they_were_simulated(tmp_path):
+    from harness.runtime.errors import HarnessError
+
+    rows = [_record("spd", q, f"answer {q}", 30, 10, 0.0, simulated=True) for q in (1, 2)]
+    with pytest.raises(HarnessError, match="all 2 matching records were simulated"):
+        export(rows, "spec-bench", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -133,3 +133,9 @@ def test_run_out_a_fifo_is_one_line_and_a_results_folder_skips_one(records, tiny
 def test_paths_that_cannot_be_written_or_read_are_one_line(args, message, records, tmp_path):
     code, _, stderr = _invoke(*[a.format(tmp=tmp_path, records=records) for a in args])
     _one_line_error(code, stderr, message)
+
+
+def test_run_out_under_a_file_is_one_line(records, tiny_dir, eval_dir, cache):
+    code, _, stderr = _invoke("run", "--model", tiny_dir, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
+                              "--data-dir", eval_dir, "--out", records / "r.jsonl")
+    _one_line_error(code, stderr, "lies under the file")

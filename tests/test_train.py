@@ -400,7 +400,7 @@ def test_shared_projections_train_and_decode_losslessly(tiny_dir, eval_dir, tmp_
     train = ["train", *shape, "--seq-len", "32", "--batch-size", "2", "--draft-vocab", "512", "--tokens", "64",
              "--val-prompts", "0"]
     bad = CliRunner().invoke(main, [*train, "--aggr-bounds", "1,2"])
-    assert bad.exit_code == 2 and "aggregation bounds" in bad.output
+    assert bad.exit_code == 2 and "aggregation bounds must start at 0 and rise strictly, got [1, 2]" in bad.output
     result = CliRunner().invoke(main, [*train, "--aggr-bounds", "0,2"])
     assert result.exit_code == 0, result.output
     (checkpoint,) = (tmp_path / "cache" / "drafters").glob("*/spd-n4-ls1-input")

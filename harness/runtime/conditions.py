@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -91,15 +93,19 @@ def busy_warning() -> str | None:
             f"alone, or give each job its share of the cores (OMP_NUM_THREADS)")
 
 
-def other_load() -> float:
-    """Runnable threads of other processes now: the instantaneous count (the 1-minute average lags a job that just
-    started) less this process's own running thread."""
-    try:
-        with open("/proc/loadavg", encoding="utf-8") as fh:
-            running = int(fh.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return load_average() or 0.0
-    return max(0, running - 1)
+def other_load(samples: int = 5, interval_s: float = 0.1) -> float:
+    """Runnable threads of other processes now: the median of a few instantaneous counts (the 1-minute average lags
+    a job that just started; one read can catch a passing blip) less this process's own running thread."""
+    counts = []
+    for k in range(samples):
+        try:
+            with open("/proc/loadavg", encoding="utf-8") as fh:
+                counts.append(max(0, int(fh.read().split()[3].split("/")[0]) - 1))
+        except (OSError, ValueError, IndexError):
+            return load_average() or 0.0
+        if k + 1 < samples:
+            time.sleep(interval_s)
+    return statistics.median(counts)
 
 
 def fit_threads() -> str | None:
