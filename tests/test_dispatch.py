@@ -92,3 +92,20 @@ def test_an_spd_cycle_reads_back_at_most_twice(width):
     method = SPD(target, SPD.Params(n=4, ls=1, width=width), set(), speculator=speculator)
     counts, _, steps = _counts(method)
     assert counts.syncs <= 2 * steps, dict(counts.sites)
+
+
+def test_the_distributed_pipeline_driver_reads_back_at_most_twice_a_cycle(tmp_path):
+    from harness.runtime import distributed as launch
+    from methods.pipeline.spd import SPD
+    from methods.pipeline.speculator import Speculator, SpeculatorConfig
+
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    folder = str(tmp_path / "llama")
+    target = TargetRuntime(tiny_model("llama"), max_len=256)
+    speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=6), target).eval()
+    method = SPD(target, SPD.Params(n=2, ls=1), set(), speculator=speculator)
+    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=120, join_timeout_s=900) as group:
+        executor = method.distribute(group, "float32")
+        counts, _, steps = _counts(method)
+        executor.close()
+    assert counts.syncs <= 2 * steps, dict(counts.sites)
