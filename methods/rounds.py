@@ -56,6 +56,21 @@ class Chain:
     q: torch.Tensor | None = None
 
 
+@dataclass
+class Beam:
+    """A greedy draft tree kept on the device: `levels` levels of `width` nodes, node i at depth i // width + 1,
+    its token, its parent node (-1: the root) and its ancestors (ancestors[i, j]: node j is i or above it)."""
+
+    tokens: torch.Tensor  # [N]
+    parents: torch.Tensor  # [N]
+    ancestors: torch.Tensor  # [N, N] bool
+    width: int
+
+    @property
+    def levels(self) -> int:
+        return len(self.tokens) // self.width
+
+
 def chain(tokens: list[int]) -> list[Node]:
     """Deterministic drafts as a chain of nodes (no draft distribution: the verifier treats each as a point mass)."""
     return [Node(token, i - 1, i + 1) for i, token in enumerate(tokens)]
@@ -173,6 +188,38 @@ def verify_chain(target: TargetRuntime, layers: tuple[int, ...], drafts: Chain, 
     count, bonus, *tokens = torch.cat([decision, drafts.tokens]).tolist()  # the step's one read back
     target.truncate(base + 1 + count)
     return count, tokens[:count] + [bonus], {layer: h[:, : count + 1] for layer, h in captured.items()}
+
+
+def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last: int, base: int
+                ) -> tuple[list[int], list[int], dict]:
+    """verify_round at T=0 for a Beam (targets without linear-attention layers): one forward, the accepted path
+    walked on the device (at each level the first child of the accepted node that is the target's argmax) and one
+    read back. Returns (accepted nodes, committed tokens: theirs and the next token, features as verify_round's)."""
+    device, count, width = target.device, len(beam.tokens), beam.width
+    ids = torch.cat([torch.tensor([last], device=device), beam.tokens])
+    positions = torch.tensor([base] + [base + 1 + i // width for i in range(count)], device=device)
+    mask = torch.cat([torch.ones(count + 1, base + 1, dtype=torch.bool, device=device),
+                      torch.cat([torch.zeros(1, count, dtype=torch.bool, device=device), beam.ancestors])], dim=1)
+    h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions,
+                                    slots=base + torch.arange(count + 1, device=device), mask=mask, capture=layers)
+    best = target.logits(h).argmax(-1)  # row 0: after the root; row i + 1: after node i
+    node, row, path = torch.tensor(-1, device=device), torch.tensor(0, device=device), []
+    for level in range(beam.levels):
+        own = slice(level * width, (level + 1) * width)
+        hit = (beam.parents[own] == node) & (beam.tokens[own] == best[row])
+        found = hit.any()
+        chosen = level * width + hit.int().argmax()  # the first hit, as verify_tree tries siblings in order
+        node = torch.where(found, chosen, -2)  # -2: no node's parent, so the walk stays stopped
+        row = torch.where(found, chosen + 1, row)
+        path.append(torch.where(found, chosen, -1))
+    read = torch.cat([torch.stack(path), best[row].view(1), beam.tokens]).tolist()  # the round's one read back
+    walk, bonus, tokens = read[: beam.levels], read[beam.levels], read[beam.levels + 1:]
+    accepted = [i for i in walk if i >= 0]
+    if accepted != list(range(len(accepted))):  # the accepted branch's KV moves into place
+        target.cache.move([base + 1 + i for i in accepted], base + 1)
+    target.truncate(base + 1 + len(accepted))
+    rows = [0] + [i + 1 for i in accepted]
+    return accepted, [tokens[i] for i in accepted] + [bonus], {layer: h[:, rows] for layer, h in captured.items()}
 
 
 def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:

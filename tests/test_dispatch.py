@@ -64,14 +64,14 @@ def test_a_configuration_names_its_method_and_parameters():
         parse_configuration("spd:n")
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_an_eagle3_chain_round_reads_back_once(temperature):
+@pytest.mark.parametrize("width, temperature", [(1, 0.0), (1, 1.0), (4, 0.0)])
+def test_an_eagle3_round_reads_back_once(width, temperature):
     from methods.eagle3.head import EagleConfig, EagleHead
     from methods.eagle3.method import EAGLE3, EagleParams
 
     target = TargetRuntime(tiny_model("llama"), max_len=128)
     head = EagleHead(EagleConfig(ttt=3, num_layers=6), target).eval()
-    method = EAGLE3(target, EagleParams(m=3, width=1, ttt=3), set(), head=head)
+    method = EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)
     sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
 
     def generate(ids):

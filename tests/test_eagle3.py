@@ -29,25 +29,13 @@ class Oracle(EAGLE3):
         self.reference, self.hit_rate = reference, hit_rate
         self.rng = torch.Generator().manual_seed(0)
 
-    def _draft(self, head, base, sampler):
-        self.base = base
-        return super()._draft(head, base, sampler)
-
-    def _children(self, nodes, frontier, logits, depth, width, sampler):
-        logits = logits.clone()
-        for row, parent in enumerate(frontier):
-            right = self.reference.get(self.base + depth)
+    def _draft_logits(self, states, base, depth):
+        logits = super()._draft_logits(states, base, depth).clone()
+        right = self.reference.get(base + depth)
+        for row in range(len(logits)):
             if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
                 logits[row] = -10.0
                 logits[row, right] = 10.0
-        return super()._children(nodes, frontier, logits, depth, width, sampler)
-
-    def _chain_logits(self, state, base, depth):
-        logits = super()._chain_logits(state, base, depth).clone()
-        right = self.reference.get(base + depth)
-        if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
-            logits[:] = -10.0
-            logits[right] = 10.0
         return logits
 
 
@@ -81,18 +69,11 @@ def test_a_tree_rescues_a_wrong_first_choice():
         by_position = {len(prompt) + i: t for i, t in enumerate(reference)}
 
         class SecondBest(Oracle):
-            def _children(self, nodes, frontier, logits, depth, width, sampler):
-                logits = torch.zeros_like(logits)
-                right = self.reference.get(self.base + depth, 0)
+            def _draft_logits(self, states, base, depth):
+                logits = torch.zeros(states.shape[1], model.config.vocab_size)
+                right = self.reference.get(base + depth, 0)
                 logits[:, right] = 10.0
                 logits[:, (right + 1) % logits.shape[-1]] = 11.0 if depth == 1 else 0.0
-                return EAGLE3._children(self, nodes, frontier, logits, depth, width, sampler)
-
-            def _chain_logits(self, state, base, depth):
-                logits = torch.zeros(model.config.vocab_size)
-                right = self.reference.get(base + depth, 0)
-                logits[right] = 10.0
-                logits[(right + 1) % len(logits)] = 11.0 if depth == 1 else 0.0
                 return logits
 
         generation = SecondBest(method, by_position, 1.0).generate(prompt, 17, Sampler(GREEDY))

@@ -275,6 +275,17 @@ class HeadSession:
         mask = self.cache.begin(range(slot, slot + 1))
         return head.rows(head.embed(token[None]), state, self.cache.write + 1, mask, self.cache)
 
+    def beam_rows(self, tokens: torch.Tensor, feature: torch.Tensor, base: int, depth: int, own: torch.Tensor,
+                  ancestors: torch.Tensor) -> torch.Tensor:
+        """Rows for one level of a Beam (nodes `own`, tokens [W], their parents' states [1, W, D]); node i sits in
+        slot base + i and sees the prefix and its ancestors, all decided on the device."""
+        head, width = self.head, len(tokens)
+        positions = torch.full((width,), base + depth, device=self.device)
+        mask = torch.cat([torch.ones(width, base, dtype=torch.bool, device=self.device),
+                          ancestors[own, : depth * width]], dim=1)
+        mask = self.cache.begin(positions, base + own, mask)
+        return head.rows(head.embed(tokens[None]), feature, positions, mask, self.cache)
+
     def draft_rows(self, nodes: list[Node], level: list[int], base: int) -> torch.Tensor:
         """Rows for the nodes of one level, reading their parents' states; node i sits in slot base + i."""
         head = self.head

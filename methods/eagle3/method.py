@@ -17,12 +17,14 @@ from methods.eagle3.interop import check_export_target, export_head, import_eagl
 from methods.eagle3.replay import chain_accepts, replay_rounds
 from methods.rounds import (
     DRAFT_POSITIONS,
+    Beam,
     Chain,
     DraftShape,
     Node,
     Rounds,
     rounds_on_trajectory,
     target_prefill,
+    verify_beam,
     verify_chain,
     verify_round,
 )
@@ -118,7 +120,9 @@ class EAGLE3(Method):
         timer = Timer(self.target.device)
         first, captured = self.prefill(prompt_ids, sampler, timer)
         if self.params.width == 1:
-            return self._chain_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
+            return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._chain_round)
+        if sampler.greedy and not self.target.has_linear_layers:
+            return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._beam_round)
         return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
 
     def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
@@ -166,31 +170,41 @@ class EAGLE3(Method):
                     head.append(new, features, start=base + 1)
         return rounds.generation(timer.totals, EagleStats(candidates=candidates, draft=self._shape()))
 
-    def _chain_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
-                      timer: Timer) -> Generation:
-        """Width 1: the chain is drafted, verified and decided on the device; a round reads back once."""
+    def _device_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
+                       sampler: Sampler, timer: Timer, one_round) -> Generation:
+        """Rounds drafted, verified and decided on the device, each reading back once: `one_round(head, base, last,
+        sampler, timer)` -> (accepted drafts, committed tokens, features)."""
         with timer("prefill"):
             head = HeadSession.started(self.head, self.target.max_len, prompt_ids, first, captured)
         rounds = Rounds([first], self.params.m, max_new_tokens, self.stop_ids)
         with timer("decode"):
             while not rounds.done:
                 base = len(prompt_ids) + rounds.base
-                with timer("drafter"):
-                    drafts = self._draft_chain(head, base, sampler)
-                with timer("verify"):
-                    count, tokens, features = verify_chain(self.target, self.layers, drafts, rounds.output[-1], base,
-                                                           sampler)
+                count, tokens, features = one_round(head, base, rounds.output[-1], sampler, timer)
                 new = rounds.commit(tokens, count)
                 with timer("drafter"):
                     head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
-        stats = EagleStats(candidates=self.params.m * len(rounds.accepted), draft=self._shape())
-        return rounds.generation(timer.totals, stats)
+        candidates = self.params.m * self.params.width * len(rounds.accepted)
+        return rounds.generation(timer.totals, EagleStats(candidates=candidates, draft=self._shape()))
+
+    def _chain_round(self, head: HeadSession, base: int, last: int, sampler: Sampler, timer: Timer):
+        with timer("drafter"):
+            drafts = self._draft_chain(head, base, sampler)
+        with timer("verify"):
+            return verify_chain(self.target, self.layers, drafts, last, base, sampler)
+
+    def _beam_round(self, head: HeadSession, base: int, last: int, sampler: Sampler, timer: Timer):
+        with timer("drafter"):
+            beam = self._draft_beam(head, base)
+        with timer("verify"):
+            accepted, tokens, features = verify_beam(self.target, self.layers, beam, last, base)
+        return len(accepted), tokens, features
 
     def _draft_chain(self, head: HeadSession, base: int, sampler: Sampler) -> Chain:
         """m drafts after the root, each the argmax (T=0) or a draw from q (T>0), fed back as tensors."""
         tokens, qs, state = [], [], head.root
         for depth in range(1, self.params.m + 1):
-            logits = self._chain_logits(state, base, depth)
+            logits = self._draft_logits(state, base, depth)[0]
             if sampler.greedy:
                 token = logits.argmax(-1, keepdim=True)
             else:
@@ -201,9 +215,30 @@ class EAGLE3(Method):
                 state = head.chain_row(token, state, base, depth)
         return Chain(torch.cat(tokens), torch.stack(qs) if qs else None)
 
-    def _chain_logits(self, state: torch.Tensor, base: int, depth: int) -> torch.Tensor:
-        """Draft logits [V] (full vocabulary) for position base + depth from the row state before it."""
-        return self.head.full_vocab(self.head.head_logits(state))[0, 0]
+    def _draft_beam(self, head: HeadSession, base: int) -> Beam:
+        """T=0 trees: each level keeps the `width` best children by cumulative log-probability (best_children's rule)
+        with every choice, parent and ancestor mask on the device."""
+        width, m, device = self.params.width, self.params.m, self.target.device
+        ancestors = torch.zeros(m * width, m * width, dtype=torch.bool, device=device)
+        tokens, parents, scores, states = [], [], torch.zeros(1, device=device), head.root
+        for depth in range(1, m + 1):
+            top = torch.topk(torch.log_softmax(self._draft_logits(states, base, depth), dim=-1), width, dim=-1)
+            best = torch.topk((top.values + scores[:, None]).flatten(), width)
+            rows, scores = best.indices // width, best.values
+            own = torch.arange((depth - 1) * width, depth * width, device=device)
+            parent = (depth - 2) * width + rows if depth > 1 else torch.full((width,), -1, device=device)
+            if depth > 1:
+                ancestors[own] = ancestors[parent]
+            ancestors[own, own] = True
+            tokens.append(top.indices.flatten()[best.indices])
+            parents.append(parent)
+            if depth < m:
+                states = head.beam_rows(tokens[-1], states[:, rows], base, depth, own, ancestors)
+        return Beam(torch.cat(tokens), torch.cat(parents), ancestors, width)
+
+    def _draft_logits(self, states: torch.Tensor, base: int, depth: int) -> torch.Tensor:
+        """Draft logits [rows, V] (full vocabulary) for position base + depth from the rows' states [1, rows, D]."""
+        return self.head.full_vocab(self.head.head_logits(states))[0]
 
     def _shape(self) -> DraftShape:
         return DraftShape(self.target.num_layers, 1, self.params.m, self.params.width)
@@ -215,8 +250,7 @@ class EAGLE3(Method):
         nodes: list[Node] = []
         frontier, states = [-1], head.root
         for depth in range(1, self.params.m + 1):
-            logits = self.head.full_vocab(self.head.head_logits(states))[0]  # [len(frontier), V]
-            level = self._children(nodes, frontier, logits, depth, width, sampler)
+            level = self._children(nodes, frontier, self._draft_logits(states, base, depth), depth, width, sampler)
             if depth == self.params.m:
                 break
             states = head.draft_rows(nodes, level, base)
