@@ -182,7 +182,7 @@ def default_configurations() -> list[str]:
 
 
 def parse_configuration(text: str) -> tuple[str, dict]:
-    """"eagle3:m=3,width=4" -> ("eagle3", {"m": 3, "width": 4}) (the method's Params check the values)."""
+    """"NAME:key=value,key=value" -> (NAME, {key: value}), integers typed (the method's Params check the values)."""
     name, _, rest = text.partition(":")
     params = {}
     for pair in filter(None, rest.split(",")):
