@@ -7,6 +7,7 @@ from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
+from methods.lookup.length import DraftLength, expected_tokens
 from methods.lookup.method import LookupParams, PromptLookup, lookup
 from methods.sampling import Sampler, SamplingConfig
 
@@ -20,6 +21,54 @@ def test_the_search_prefers_the_longest_suffix_then_the_latest_match():
     assert lookup(tokens, 1, 3, 1) == [4]  # capped at k
     assert lookup([5, 6, 7], 4, 3, 1) == []  # nothing repeats
     assert lookup([7, 7], 4, 3, 2) == []  # the suffix itself is not a match
+
+
+def test_a_round_offers_the_drafts_whose_expected_tokens_per_cost_are_highest():
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
+    # a two-token forward at 1.37x a step pays when a draft is kept more often than 37% of the time
+    costs = [1.0, 1.37, 1.45, 1.5, 1.52, 1.6]
+    length = DraftLength(costs)
+    assert length.rate(2) == 0.5 and length.choose(5, 2) == 4  # the even prior: 1.94 tokens for 1.52x
+    assert length.choose(2, 2) == 2  # never more than were found
+    for _ in range(10):
+        length.record(2, 1, 0)  # one suffix length's drafts keep failing: it stops drafting
+        length.record(3, 4, 4)  # another's keep passing: it offers all it may
+    assert length.choose(5, 2) == 0 and length.choose(5, 3) == 5
+    assert length.tried == {2: 10, 3: 40} and length.accepted == {2: 0, 3: 40}
+    length.record(3, 4, 1)  # judged up to the first rejection
+    assert length.tried[3] == 42 and length.accepted[3] == 41
+    assert DraftLength([1.0, 3.0, 5.0]).choose(2, 1) == 0  # verifying costs more than any draft can earn
+
+
+def test_the_cost_policy_is_lossless_and_drafts_less_where_drafts_fail():
+    model = tiny_model("llama")
+    target = TargetRuntime(model, max_len=256)
+    costs = target.forward_costs(5)
+    assert len(costs) == 5 and costs[0] == 1.0 and costs == sorted(costs)
+    assert target.forward_costs(5) is costs  # measured once per target
+    ar = build_method("autoregressive", target, {}, set())
+    every = build_method("lookup", target, {"k": 4}, set())
+    cost = build_method("lookup", target, {"k": 4, "length": "cost"}, set())
+    assert cost.costs is costs
+    for prompt in ([7], list(range(10, 19)), [3, 4, 5, 6] * 5):
+        reference = ar.generate(prompt, 32, Sampler(GREEDY)).output_ids
+        assert cost.generate(prompt, 32, Sampler(GREEDY)).output_ids == reference
+        assert cost.simulate(prompt, reference, 32, Sampler(GREEDY)).output_ids == reference
+    # with verify forwards made dear, no round drafts: every step is a plain one, and the output the same
+    target._costs[5] = [1.0, 9.0, 9.0, 9.0, 9.0]
+    dear = build_method("lookup", target, {"k": 4, "length": "cost"}, set())
+    generation = dear.generate([3, 4, 5, 6] * 5, 32, Sampler(GREEDY))
+    assert generation.output_ids == every.generate([3, 4, 5, 6] * 5, 32, Sampler(GREEDY)).output_ids
+    assert generation.stats.candidates == 0 and generation.stats.matched_rounds > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_the_cost_policy_samples_the_target_distribution(arch):
+    vocab = 4
+    model = flat_target(vocab, arch)
+    method = PromptLookup(TargetRuntime(model, max_len=64), LookupParams(k=2, length="cost"), set())
+    method.costs = [1.0, 1.0, 1.0]  # drafting is free: every round drafts what it found
+    assert sampled_joint_tv(method, model, vocab, prompt=(1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)) < 0.07
 
 
 def test_parameters_that_cannot_search_are_refused():

@@ -158,7 +158,7 @@ class Runner:
             else:
                 measuring.start()
                 generation, baseline = self._generate_pair(method, reference, prompt, sample, index % 2 == 0)
-                conditions = measuring.end().to_dict()
+                conditions = {**measuring.end().to_dict(), "linears": self.target.linears}  # the kernels timed
                 lossless = self._check(prompt, generation.output_ids, reference, baseline)
             store.append(self._record(sample, prompt, generation, lossless, baseline, conditions))
             tokens += len(generation.output_ids)

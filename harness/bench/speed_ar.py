@@ -57,7 +57,7 @@ def read_bandwidth(size_bytes: int, device: torch.device, repeats: int = 5) -> f
     return buffer.numel() * 4 / best
 
 
-def _timed(fn, ids: list[int]) -> tuple[float, list[int]]:
+def timed(fn, ids: list[int]):
     start = time.perf_counter()
     output = fn(ids)
     return time.perf_counter() - start, output
@@ -91,11 +91,11 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
         pairs = [(r, ids) for r in range(repeats) for ids in prompt_ids]
         for r, ids in tqdm(pairs, desc="bench ar vs hf generate", unit="pair"):
             if r % 2 == 0:  # alternate who goes first so neither always runs on a warmer cache
-                t_ours, out_ours = _timed(run_ours, ids)
-                t_hf, out_hf = _timed(run_hf, ids)
+                t_ours, out_ours = timed(run_ours, ids)
+                t_hf, out_hf = timed(run_hf, ids)
             else:
-                t_hf, out_hf = _timed(run_hf, ids)
-                t_ours, out_ours = _timed(run_ours, ids)
+                t_hf, out_hf = timed(run_hf, ids)
+                t_ours, out_ours = timed(run_ours, ids)
             identical &= out_ours == out_hf
             tokens += len(out_ours)
             ours_s.append(t_ours)

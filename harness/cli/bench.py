@@ -51,6 +51,40 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     click.echo(f"record: {out}")
 
 
+@bench.command("lookup")
+@model_option
+@click.option("--dataset", "datasets", default="mt_bench,gsm8k,humaneval", show_default=True,
+              help="Comma list of datasets.")
+@click.option("--prompts", type=click.IntRange(min=1), default=10, show_default=True, help="Prompts per dataset.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="A parameter of the harness's lookup (repeatable), e.g. k=10; its k is also HF's "
+                   "prompt_lookup_num_tokens.")
+@device_option
+@dtype_option
+@data_option
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/lookup.jsonl"), show_default=True)
+def bench_lookup_command(model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, out):
+    """Prompt lookup, the harness's and HF generate's (prompt_lookup_num_tokens), beside both greedy decodes on the
+    same prompts, paired; prints each side's tokens/s and wall-clock ratios with 95% intervals."""
+    from dataclasses import asdict
+
+    from harness.bench import speed_lookup
+    from harness.bench.dispatch import parse_configuration
+    from harness.reporting.peers import table
+
+    datasets = [name.strip() for name in datasets.split(",")]
+    unknown = [name for name in datasets if name not in DATASETS]
+    if unknown:
+        raise click.BadParameter(f"unknown dataset(s) {', '.join(unknown)}; choose from {', '.join(DATASETS)}",
+                                 param_hint="--dataset")
+    _, values = parse_configuration("lookup:" + ",".join(params))
+    result = speed_lookup.bench_lookup(model, datasets, prompts, max_new_tokens, values, device, dtype, data_dir)
+    speed_lookup.save(result, out)
+    click.echo(table(asdict(result)), nl=False)
+    click.echo(f"record: {out}")
+
+
 @bench.command("dispatch")
 @click.option("--method", "configurations", multiple=True,
               help="A configuration to count, method[:key=value,...], e.g. eagle3:m=3,width=4 (repeatable; default: "

@@ -196,3 +196,17 @@ def paired_interval(a: Summary, b: Summary, figure: str, change: Callable[[float
         except ZeroDivisionError:
             values.append(None)
     return (percentile_interval(values, prompts) if replicas_a else None), prompts
+
+
+def time_ratio_interval(slower: list[float], faster: list[float], datasets: list[str], key: str
+                        ) -> tuple[float, Interval]:
+    """sum(slower) / sum(faster) over paired per-prompt seconds (> 1: `faster` is faster) and its 95% interval,
+    each dataset's prompts (`datasets[i]` names prompt i's) redrawn within it."""
+    sizes: dict[str, int] = {}
+    for name in datasets:
+        sizes[name] = sizes.get(name, 0) + 1
+    order = sorted(range(len(datasets)), key=lambda i: list(sizes).index(datasets[i]))  # dataset by dataset
+    a, b = np.array(slower)[order], np.array(faster)[order]
+    draws = _redraws(sizes, np.random.default_rng(_seed("time-ratio", key)))
+    values = [float(c @ a / (c @ b)) for c in draws]
+    return float(a.sum() / b.sum()), percentile_interval(values, min(sizes.values()))

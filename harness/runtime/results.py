@@ -69,7 +69,7 @@ class Record:
     stats: dict = field(default_factory=dict)
     baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
     prompt_source: dict = field(default_factory=dict)  # the prompt set's origin (file, package + version) and sha256
-    conditions: dict = field(default_factory=dict)  # load, cores, threads and processor the timing ran under
+    conditions: dict = field(default_factory=dict)  # load, cores, threads, processor, Linear kernels
 
     @property
     def sample_key(self) -> tuple[str, str, str]:

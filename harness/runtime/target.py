@@ -9,9 +9,13 @@ a batch, one tree level per call) each continue their parent's state.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
+
+from harness.runtime.kernels import pack_linears
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
 # A call's token positions: contiguous ones as a range (the host knows them, nothing is read back), any others as a
@@ -244,18 +248,6 @@ def _stack(states: list[torch.Tensor]) -> torch.Tensor:
     return states[0] if len(states) == 1 else torch.cat(states)
 
 
-def column_major_linears(model: torch.nn.Module) -> None:
-    """Store every Linear weight column-major (in place, same values and shapes).
-
-    Single-token decode is a matrix-vector product per weight; on CPU, MKL reads a column-major weight at
-    roughly twice the bandwidth of the default row-major one (lm_head of SmolLM2: 4.8 ms vs 10.2 ms).
-    """
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight.stride(0) != 1:
-                module.weight.data = module.weight.data.t().contiguous().t()
-
-
 class TargetRuntime:
     """Layer-range execution of one sequence (batch 1) on a frozen HF causal LM."""
 
@@ -274,9 +266,9 @@ class TargetRuntime:
         self.rewind_window = rewind_window
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        if self.device.type == "cpu":
-            column_major_linears(model)
+        self.linears = pack_linears(model) if self.device.type == "cpu" else "default"
         self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device)
+        self._costs: dict[int, list[float]] = {}
 
     @property
     def has_linear_layers(self) -> bool:
@@ -354,6 +346,34 @@ class TargetRuntime:
             out[0, level.rows] = self.layers[i](rows, position_embeddings=None, attention_mask=None,
                                                 cache=self.cache)[:, 0]
         return out
+
+    def forward_costs(self, most: int, context: int = 64, repeats: int = 5) -> list[float]:
+        """costs[t - 1]: the measured time of one forward over t tokens (t = 1..most) after `context` tokens, over a
+        one-token forward's (the median of `repeats`; never falling as t grows). It runs the target (the cache is
+        reset after), so a method measures it once, before it decodes; cached per size."""
+        if most not in self._costs:
+            context = max(1, min(context, self.max_len - most))
+            ids = torch.zeros(context + most, dtype=torch.long, device=self.device)
+            seconds = []
+            with torch.inference_mode():
+                for t in range(1, most + 1):
+                    runs = []
+                    for _ in range(repeats):
+                        self.reset()
+                        self.forward(ids[:context], 0)
+                        self._sync()
+                        start = time.perf_counter()
+                        self.forward(ids[context: context + t], context)
+                        self._sync()
+                        runs.append(time.perf_counter() - start)
+                    seconds.append(max(statistics.median(runs), seconds[-1] if seconds else 0.0))
+            self.reset()
+            self._costs[most] = [s / seconds[0] for s in seconds]
+        return self._costs[most]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def forward(self, ids: torch.Tensor, start: int, capture: tuple[int, ...] = ()):
         """All layers on contiguous tokens from position `start`; returns logits [T, V] and captured states."""

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from methods.base import Generation, Method, Timer, param, register
+from methods.lookup.length import DraftLength
 from methods.rounds import DRAFT_POSITIONS, Rounds, chain, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
 from methods.stats import Stats
@@ -25,6 +26,9 @@ class LookupParams:
     k: int = param(10, "The most drafts per round.")
     max_ngram: int = param(3, "The longest suffix looked up.")
     min_ngram: int = param(1, "The shortest suffix looked up.")
+    length: str = param("all", "Drafts a round offers of those found: 'all' (up to k, as Spec-Bench and HF run it) or "
+                        "'cost' (the number whose expected tokens per measured verify cost is highest: "
+                        "methods/lookup/length.py).", recorded_when_set=True, choices=("all", "cost"))
 
     def __post_init__(self):
         if min(self.k, self.min_ngram) < 1 or self.max_ngram < self.min_ngram:
@@ -35,12 +39,17 @@ class LookupParams:
 def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` (max_ngram
     down to min_ngram tokens) that occurs earlier; [] when none does."""
+    return match(tokens, k, max_ngram, min_ngram)[0]
+
+
+def match(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """lookup's drafts and the length of the suffix that found them (0: none)."""
     for size in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         suffix = tokens[-size:]
         for start in range(len(tokens) - size - 1, -1, -1):  # latest first; the suffix itself is excluded
             if tokens[start: start + size] == suffix:
-                return tokens[start + size: start + size + k]
-    return []
+                return tokens[start + size: start + size + k], size
+    return [], 0
 
 
 @dataclass
@@ -55,6 +64,11 @@ class PromptLookup(Method):
     Params = LookupParams
     Stats = LookupStats
     positions = DRAFT_POSITIONS
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # measured once, before any decode, so no generation's timing pays for it
+        self.costs = self.target.forward_costs(self.params.k + 1) if self.params.length == "cost" else None
 
     figures_note = ("matched: share of rounds whose suffix was found earlier (the others verify no drafts); "
                     "tokens/forward: tokens committed per target forward; wall-clock: decode tokens/s over AR's, "
@@ -91,17 +105,23 @@ class PromptLookup(Method):
         params = self.params
         rounds = Rounds([first], params.k, max_new_tokens, self.stop_ids)
         matched = candidates = 0
+        length = DraftLength(self.costs) if self.costs else None
         with timer("decode"):
             while not rounds.done:
                 base = len(prompt_ids) + rounds.base  # position of the newest committed token
                 with timer("drafter"):
                     room = max_new_tokens - len(rounds.output)  # drafts past the budget could never be committed
-                    drafts = lookup(prompt_ids + rounds.output, min(params.k, room), params.max_ngram,
-                                    params.min_ngram)
+                    found, size = match(prompt_ids + rounds.output, min(params.k, room), params.max_ngram,
+                                        params.min_ngram)
+                    drafts = found if length is None else found[: length.choose(len(found), size)]
                 nodes = chain(drafts)
                 with timer("verify"):
                     path, bonus, _ = verify(nodes, rounds.output[-1], base, sampler)
                 rounds.commit_path(nodes, path, bonus)
-                matched += bool(drafts)
+                if length is not None and found:
+                    # a round that offered none still learns: its first find judged against the token the step chose
+                    offered, kept = (len(drafts), len(path)) if drafts else (1, int(found[0] == bonus))
+                    length.record(size, offered, kept)
+                matched += bool(size)
                 candidates += len(drafts)
         return rounds.generation(timer.totals, LookupStats(matched_rounds=matched, candidates=candidates))

@@ -1,0 +1,62 @@
+"""The CPU kernel path of the target's Linears: oneDNN-packed weights give the plain values, a row's result does not
+depend on the rows beside it, tied weights stay tied, and gradients take the plain path."""
+
+import torch
+from tiny_models import tiny_model
+
+from harness.runtime.kernels import PackedLinear, pack_linears
+from harness.runtime.target import TargetRuntime
+
+
+def test_packed_linears_compute_the_plain_values_and_rows_alone_equal_rows_together():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    packed = PackedLinear(linear)
+    x = torch.randn(1, 7, 64)
+    with torch.inference_mode():
+        together = packed(x)
+        assert torch.allclose(together, linear(x), atol=1e-5)
+        alone = torch.cat([packed(x[:, i: i + 1]) for i in range(7)], dim=1)
+    assert torch.equal(together, alone)  # drafts verified together see what steps of their own would
+
+
+def test_a_runtime_packs_its_fp32_linears_once_and_keeps_tied_weights_tied():
+    model = tiny_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the embedded model's are
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    target = TargetRuntime(model, max_len=32)
+    assert target.linears == "onednn" and isinstance(model.lm_head, PackedLinear)
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
+    assert {name: p for name, p in model.named_parameters()}.keys() == before.keys()  # same names, same values
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert TargetRuntime(model, max_len=32).linears == "onednn"  # a second runtime finds them packed
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_gradients_flow_through_the_plain_path():
+    with torch.inference_mode(False), torch.enable_grad():
+        linear = torch.nn.Linear(8, 4)
+        packed = PackedLinear(linear)
+        x = torch.randn(3, 8, requires_grad=True)
+        packed(x).sum().backward()
+    assert torch.allclose(x.grad, linear.weight.sum(0).expand(3, 8))
+
+
+def test_other_dtypes_keep_the_default_path():
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert pack_linears(model) == "default"
+    assert isinstance(model.lm_head, torch.nn.Linear)
+
+
+def test_copies_and_conversions_pack_again_or_take_the_plain_path():
+    import copy
+
+    linear = torch.nn.Linear(16, 8)
+    packed = PackedLinear(linear)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        copied = copy.deepcopy(packed)
+        assert copied.packed is not None and torch.equal(copied(x), packed(x))
+        half = copy.deepcopy(packed).to(torch.bfloat16)
+        assert half.packed is None
+        assert torch.allclose(half(x.bfloat16()).float(), linear(x), atol=0.1)
