@@ -84,3 +84,13 @@ def test_a_replicate_that_draws_every_prompt_once_is_the_summary_itself():
         for name, ours in own.items():
             theirs = summary.family.figures(replica)[name]
             assert (ours is None) == (theirs is None) and (ours is None or abs(ours - theirs) < 1e-9), name
+
+
+def test_a_time_ratio_interval_redraws_prompts_within_each_dataset():
+    slower = [2.0, 2.2, 1.8, 2.1, 1.9, 4.0, 4.4, 3.6, 4.2, 3.8]
+    faster = [1.0] * 5 + [2.0] * 5
+    value, interval = intervals.time_ratio_interval(slower, faster, ["a"] * 5 + ["b"] * 5, "key")
+    assert value == sum(slower) / sum(faster)
+    assert interval.reliable and 1.8 < interval.low <= value <= interval.high < 2.2
+    assert intervals.time_ratio_interval(slower, faster, ["a"] * 5 + ["b"] * 5, "key")[1] == interval  # reproducible
+    assert not intervals.time_ratio_interval([2.0, 3.0], [1.0, 1.0], ["a", "a"], "key")[1].reliable

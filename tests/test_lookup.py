@@ -2,9 +2,13 @@
 output is token-identical to greedy AR at T=0 (with rounds that accept copied drafts), the target's distribution
 at T=1, and the trajectory replay equals execution."""
 
+import json
+
 import pytest
+from click.testing import CliRunner
 from tiny_models import flat_target, sampled_joint_tv, tiny_model
 
+from harness.cli import main
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
 from methods.lookup.length import DraftLength, expected_tokens
@@ -110,3 +114,20 @@ def test_the_replay_equals_execution_at_t0():
         assert replayed.output_ids == executed.output_ids
         assert replayed.accepted == executed.accepted
         assert replayed.position_accepts == executed.position_accepts
+
+
+def test_bench_lookup_runs_every_side_on_the_same_prompts_and_checks_them(tiny_dir, tmp_path, cache):
+    out = tmp_path / "lookup.jsonl"
+    result = CliRunner().invoke(main, ["bench", "lookup", "--model", str(tiny_dir), "--dataset", "gsm8k,humaneval",
+                                       "--prompts", "2", "--max-new-tokens", "12", "--param", "k=4",
+                                       "--param", "length=cost", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["identical"] and record["k"] == 4 and record["params"]["length"] == "cost"
+    assert record["prompts"] == ["gsm8k/0", "gsm8k/1", "humaneval/0", "humaneval/1"]
+    assert {side: len(s) for side, s in record["seconds"].items()} == dict.fromkeys(
+        ["hf-greedy", "hf-lookup", "ar", "lookup"], 4)
+    assert len(record["steps"]["lookup"]) == 4 and sum(record["tokens"]) > 0
+    assert "harness lookup over HF prompt lookup:" in result.output and "[2 prompts: too few]" in result.output
+    refused = CliRunner().invoke(main, ["bench", "lookup", "--model", str(tiny_dir), "--dataset", "gsm8k,nope"])
+    assert refused.exit_code == 2 and "unknown dataset(s) nope" in refused.output
