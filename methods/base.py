@@ -174,6 +174,12 @@ class Method(ABC):
         self.checkpoint = checkpoint
 
     @classmethod
+    def hf_peer(cls, params) -> dict | None:
+        """HF `generate`'s own implementation of this method with these parameters, as keyword arguments to
+        `generate` (`spd-bench bench peer`); None: HF has none."""
+        return None
+
+    @classmethod
     def drafter(cls, params) -> tuple[str, str] | None:
         """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter."""
         return None

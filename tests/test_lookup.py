@@ -116,18 +116,24 @@ def test_the_replay_equals_execution_at_t0():
         assert replayed.position_accepts == executed.position_accepts
 
 
-def test_bench_lookup_runs_every_side_on_the_same_prompts_and_checks_them(tiny_dir, tmp_path, cache):
-    out = tmp_path / "lookup.jsonl"
-    result = CliRunner().invoke(main, ["bench", "lookup", "--model", str(tiny_dir), "--dataset", "gsm8k,humaneval",
+def test_bench_peer_runs_hf_prompt_lookup_beside_ours_on_the_same_prompts_and_checks_them(tiny_dir, tmp_path, cache):
+    out = tmp_path / "peer.jsonl"
+    result = CliRunner().invoke(main, ["bench", "peer", "--method", "lookup", "--model", str(tiny_dir), "--dataset",
+                                       "gsm8k,humaneval",
                                        "--prompts", "2", "--max-new-tokens", "12", "--param", "k=4",
                                        "--param", "length=cost", "--out", str(out)])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
-    assert record["identical"] and record["k"] == 4 and record["params"]["length"] == "cost"
+    assert record["identical"] and record["params"]["length"] == "cost"
+    assert record["hf_peer"] == {"prompt_lookup_num_tokens": 4}
     assert record["prompts"] == ["gsm8k/0", "gsm8k/1", "humaneval/0", "humaneval/1"]
     assert {side: len(s) for side, s in record["seconds"].items()} == dict.fromkeys(
-        ["hf-greedy", "hf-lookup", "ar", "lookup"], 4)
-    assert len(record["steps"]["lookup"]) == 4 and sum(record["tokens"]) > 0
-    assert "harness lookup over HF prompt lookup:" in result.output and "[2 prompts: too few]" in result.output
-    refused = CliRunner().invoke(main, ["bench", "lookup", "--model", str(tiny_dir), "--dataset", "gsm8k,nope"])
+        ["hf-greedy", "hf-peer", "reference", "method"], 4)
+    assert len(record["steps"]["method"]) == 4 and sum(record["tokens"]) > 0
+    assert "harness lookup over HF generate, prompt_lookup_num_tokens=4:" in result.output
+    assert "[2 prompts: too few]" in result.output
+    refused = CliRunner().invoke(main, ["bench", "peer", "--method", "lookup", "--model", str(tiny_dir), "--dataset",
+                                        "gsm8k,nope"])
     assert refused.exit_code == 2 and "unknown dataset(s) nope" in refused.output
+    refused = CliRunner().invoke(main, ["bench", "peer", "--method", "eagle3", "--model", str(tiny_dir)])
+    assert refused.exit_code != 0 and "HF generate implements no 'eagle3'; bench peer takes lookup" in refused.output

@@ -1,4 +1,4 @@
-"""`spd-bench bench ar|dispatch|train|stage` and `selfcheck`: speed benchmarks and the self-check on random real-shape models."""
+"""`spd-bench bench ar|peer|dispatch|train|stage` and `selfcheck`: speed benchmarks and the self-check on random real-shape models."""
 
 from __future__ import annotations
 
@@ -51,25 +51,25 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     click.echo(f"record: {out}")
 
 
-@bench.command("lookup")
+@bench.command("peer")
+@click.option("--method", required=True, help="A method HF generate also implements (its hf_peer hook).")
 @model_option
 @click.option("--dataset", "datasets", default="mt_bench,gsm8k,humaneval", show_default=True,
               help="Comma list of datasets.")
 @click.option("--prompts", type=click.IntRange(min=1), default=10, show_default=True, help="Prompts per dataset.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
-              help="A parameter of the harness's lookup (repeatable), e.g. k=10; its k is also HF's "
-                   "prompt_lookup_num_tokens.")
+              help="A parameter of the harness's method (repeatable); HF generate runs it with the same ones.")
 @device_option
 @dtype_option
 @data_option
-@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/lookup.jsonl"), show_default=True)
-def bench_lookup_command(model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, out):
-    """Prompt lookup, the harness's and HF generate's (prompt_lookup_num_tokens), beside both greedy decodes on the
-    same prompts, paired; prints each side's tokens/s and wall-clock ratios with 95% intervals."""
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/peer.jsonl"), show_default=True)
+def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, out):
+    """A method, the harness's and HF generate's, beside both greedy decodes on the same prompts, paired; prints each
+    side's tokens/s and wall-clock ratios with 95% intervals."""
     from dataclasses import asdict
 
-    from harness.bench import speed_lookup
+    from harness.bench import peer
     from harness.bench.dispatch import parse_configuration
     from harness.reporting.peers import table
 
@@ -78,9 +78,9 @@ def bench_lookup_command(model, datasets, prompts, max_new_tokens, params, devic
     if unknown:
         raise click.BadParameter(f"unknown dataset(s) {', '.join(unknown)}; choose from {', '.join(DATASETS)}",
                                  param_hint="--dataset")
-    _, values = parse_configuration("lookup:" + ",".join(params))
-    result = speed_lookup.bench_lookup(model, datasets, prompts, max_new_tokens, values, device, dtype, data_dir)
-    speed_lookup.save(result, out)
+    _, values = parse_configuration(method + ":" + ",".join(params))
+    result = peer.bench_peer(method, model, datasets, prompts, max_new_tokens, values, device, dtype, data_dir)
+    peer.save(result, out)
     click.echo(table(asdict(result)), nl=False)
     click.echo(f"record: {out}")
 

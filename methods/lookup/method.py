@@ -70,6 +70,10 @@ class PromptLookup(Method):
         # measured once, before any decode, so no generation's timing pays for it
         self.costs = self.target.forward_costs(self.params.k + 1) if self.params.length == "cost" else None
 
+    @classmethod
+    def hf_peer(cls, params) -> dict:
+        return {"prompt_lookup_num_tokens": params.k}  # as users run it: up to k drafts, its own suffix lengths
+
     figures_note = ("matched: share of rounds whose suffix was found earlier (the others verify no drafts); "
                     "tokens/forward: tokens committed per target forward; wall-clock: decode tokens/s over AR's, "
                     "measured on the same samples")
