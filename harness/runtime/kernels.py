@@ -45,10 +45,10 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plain = self.packed is None or x.dtype != torch.float32
-        if plain or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        tracked = (x, self.weight, self.bias)
+        if plain or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: torch.nn.Module) -> str:
