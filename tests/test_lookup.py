@@ -134,6 +134,6 @@ def test_bench_peer_runs_hf_prompt_lookup_beside_ours_on_the_same_prompts_and_ch
     assert "[2 prompts: too few]" in result.output
     refused = CliRunner().invoke(main, ["bench", "peer", "--method", "lookup", "--model", str(tiny_dir), "--dataset",
                                         "gsm8k,nope"])
-    assert refused.exit_code == 2 and "unknown dataset(s) nope" in refused.output
+    assert refused.exit_code == 2 and "unknown dataset(s) 'nope'" in refused.output
     refused = CliRunner().invoke(main, ["bench", "peer", "--method", "eagle3", "--model", str(tiny_dir)])
     assert refused.exit_code != 0 and "HF generate implements no 'eagle3'; bench peer takes lookup" in refused.output

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from harness.bench.config import REFERENCE_METHOD
 from harness.bench.data import load_samples, render_prompt
-from harness.bench.speed_ar import timed
+from harness.bench.speed_ar import hf_generate, timed
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model, stop_ids
 from harness.runtime.provenance import versions
@@ -66,10 +66,8 @@ def bench_peer(method: str, model: str, datasets: list[str], prompts: int, max_n
             "method": build_method(method, target, params, set(stops))}
     hf_peer = ours["method"].hf_peer(ours["method"].params)
 
-    def hf(ids, **extra):
-        out = reference.model.generate(torch.tensor([ids], device=loaded.device), max_new_tokens=max_new_tokens,
-                                       do_sample=False, eos_token_id=stops, pad_token_id=stops[0], **extra)
-        return out[0, len(ids):].tolist(), None
+    def hf(ids, **options):
+        return hf_generate(reference.model, ids, max_new_tokens, stops, **options), None
 
     def harness(side, ids):
         generation = ours[side].generate(ids, max_new_tokens, greedy)

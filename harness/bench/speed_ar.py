@@ -57,6 +57,14 @@ def read_bandwidth(size_bytes: int, device: torch.device, repeats: int = 5) -> f
     return buffer.numel() * 4 / best
 
 
+def hf_generate(model, ids: list[int], max_new_tokens: int, stops: list[int], **options) -> list[int]:
+    """HF `generate`'s greedy new tokens for one prompt (`options`: its own speculative decoding, if any), with our
+    stopping rule: the run ends after the first end-of-turn id or max_new_tokens."""
+    out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=stops, pad_token_id=stops[0], **options)
+    return out[0, len(ids):].tolist()
+
+
 def timed(fn, ids: list[int]):
     start = time.perf_counter()
     output = fn(ids)
@@ -78,12 +86,7 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
         return ours.generate(ids, max_new_tokens, greedy).output_ids
 
     def run_hf(ids):
-        # Same stopping rule as ours: the run ends after the first end-of-turn id or max_new_tokens.
-        out = reference.model.generate(
-            torch.tensor([ids], device=loaded.device), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=stops, pad_token_id=stops[0],
-        )
-        return out[0, len(ids):].tolist()
+        return hf_generate(reference.model, ids, max_new_tokens, stops)
 
     ours_s, hf_s, ratios, identical, tokens = [], [], [], True, 0
     with torch.inference_mode():

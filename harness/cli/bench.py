@@ -8,6 +8,7 @@ import click
 
 from harness.bench.data import DATASETS
 from harness.cli import (
+    _datasets,
     _values,
     data_option,
     device_option,
@@ -54,8 +55,8 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @bench.command("peer")
 @click.option("--method", required=True, help="A method HF generate also implements (its hf_peer hook).")
 @model_option
-@click.option("--dataset", "datasets", default="mt_bench,gsm8k,humaneval", show_default=True,
-              help="Comma list of datasets.")
+@click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True,
+              callback=lambda c, p, v: _datasets(v), help="Comma-separated datasets.")
 @click.option("--prompts", type=click.IntRange(min=1), default=10, show_default=True, help="Prompts per dataset.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
@@ -73,13 +74,8 @@ def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params,
     from harness.bench.dispatch import parse_configuration
     from harness.reporting.peers import table
 
-    datasets = [name.strip() for name in datasets.split(",")]
-    unknown = [name for name in datasets if name not in DATASETS]
-    if unknown:
-        raise click.BadParameter(f"unknown dataset(s) {', '.join(unknown)}; choose from {', '.join(DATASETS)}",
-                                 param_hint="--dataset")
     _, values = parse_configuration(method + ":" + ",".join(params))
-    result = peer.bench_peer(method, model, datasets, prompts, max_new_tokens, values, device, dtype, data_dir)
+    result = peer.bench_peer(method, model, list(datasets), prompts, max_new_tokens, values, device, dtype, data_dir)
     peer.save(result, out)
     click.echo(table(asdict(result)), nl=False)
     click.echo(f"record: {out}")

@@ -12,6 +12,7 @@ little about the next thirty.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -202,9 +203,7 @@ def time_ratio_interval(slower: list[float], faster: list[float], datasets: list
                         ) -> tuple[float, Interval]:
     """sum(slower) / sum(faster) over paired per-prompt seconds (> 1: `faster` is faster) and its 95% interval,
     each dataset's prompts (`datasets[i]` names prompt i's) redrawn within it."""
-    sizes: dict[str, int] = {}
-    for name in datasets:
-        sizes[name] = sizes.get(name, 0) + 1
+    sizes = dict(Counter(datasets))
     order = sorted(range(len(datasets)), key=lambda i: list(sizes).index(datasets[i]))  # dataset by dataset
     a, b = np.array(slower)[order], np.array(faster)[order]
     draws = _redraws(sizes, np.random.default_rng(_seed("time-ratio", key)))

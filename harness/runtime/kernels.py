@@ -44,11 +44,12 @@ class PackedLinear(torch.nn.Module):
         self._pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plain = self.packed is None or x.dtype != torch.float32
-        tracked = (x, self.weight, self.bias)
-        if plain or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
+        if self.packed is None or x.dtype != torch.float32 or torch.is_grad_enabled() and self._tracked(x):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _tracked(self, x: torch.Tensor) -> bool:
+        return any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))
 
 
 def pack_linears(model: torch.nn.Module) -> str:
