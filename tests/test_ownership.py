@@ -139,3 +139,35 @@ def test_run_out_under_a_file_is_one_line(records, tiny_dir, eval_dir, cache):
     code, _, stderr = _invoke("run", "--model", tiny_dir, "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
                               "--data-dir", eval_dir, "--out", records / "r.jsonl")
     _one_line_error(code, stderr, "lies under the file")
+
+
+def _hash_at_once(folder, cache, start):
+    os.environ["SPD_BENCH_CACHE"] = str(cache)
+    from harness.runtime.models import weights_sha256
+
+    start.wait()
+    return weights_sha256(folder)
+
+
+def test_processes_filling_the_weight_hash_cache_at_once_each_leave_a_whole_file(tmp_path):
+    """Ranks of one group hash their model at the same moment into one shared cache: no process may find its
+    temporary file taken by another's rename (a fixed temporary name failed a distributed start this way)."""
+    import multiprocessing
+
+    from safetensors.torch import save_file
+    import torch
+
+    folders = []
+    for i in range(6):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        save_file({"w": torch.full((4,), float(i))}, folder / "model.safetensors")
+        folders.append(folder)
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        start = manager.Barrier(len(folders))
+        with context.Pool(len(folders)) as pool:
+            digests = pool.starmap(_hash_at_once, [(f, tmp_path / "cache", start) for f in folders])
+    assert len(set(digests)) == len(folders)
+    json.loads((tmp_path / "cache" / "weight-hashes.json").read_text())
+    assert not list((tmp_path / "cache").glob("*.tmp"))

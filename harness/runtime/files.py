@@ -67,6 +67,20 @@ def make_folder(folder: Path, what: str) -> Path:
     return Path(folder)
 
 
+def replace_whole(target: Path, data: str | bytes) -> None:
+    """Write `target` through a temporary file named for this process alone and one rename: processes writing the
+    same file at once (ranks filling one cache) each leave a whole file, the last one's."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class Outputs:
     """The files one command writes: each checked before anything is written, written whole or not at all."""
 
@@ -87,15 +101,7 @@ class Outputs:
     def write(self, path: Path, data: str | bytes) -> Path:
         target = self.claim(path)
         make_folder(target.parent, self.what)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_whole(target, data)
         self.written.add(target)
         return target
 

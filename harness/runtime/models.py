@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from harness.runtime.errors import HarnessError, first_line
+from harness.runtime.files import replace_whole
 from harness.runtime.paths import cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,9 +174,7 @@ def weights_sha256(folder: Path) -> str:
             while chunk := fh.read(1 << 24):
                 digest.update(chunk)
     index[stamp] = digest.hexdigest()
-    tmp = index_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, index_path)
+    replace_whole(index_path, json.dumps(index, indent=1))
     return index[stamp]
 
 
