@@ -18,7 +18,7 @@ from methods.base import Generation, PositionAxis, Timer, commit
 from methods.sampling import Sampler
 from methods.stats import Record, Stats
 from methods.teacher import Teacher
-from methods.verify import chain_rejection, chain_rejection_on_device, greedy_chain, verify_tree
+from methods.verify import chain_rejection_on_device, greedy_chain, tree_rejection_on_device, verify_tree
 
 DRAFT_POSITIONS = PositionAxis("pos", "Acceptance by draft position (share of rounds that accepted position k)",
                                "draft position")
@@ -58,7 +58,7 @@ class Chain:
 
 @dataclass
 class Beam:
-    """A greedy draft tree kept on the device: `levels` levels of `width` nodes, node i at depth i // width + 1,
+    """A draft tree kept on the device: `levels` levels of `width` nodes, node i at depth i // width + 1,
     its token, its parent node (-1: the root) and its ancestors (ancestors[i, j]: node j is i or above it)."""
 
     tokens: torch.Tensor  # [N]
@@ -190,29 +190,25 @@ def verify_chain(target: TargetRuntime, layers: tuple[int, ...], drafts: Chain, 
     return count, tokens[:count] + [bonus], {layer: h[:, : count + 1] for layer, h in captured.items()}
 
 
-def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last: int, base: int
+def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last: int, base: int, sampler: Sampler
                 ) -> tuple[list[int], list[int], dict]:
-    """verify_round at T=0 for a Beam (targets without linear-attention layers): one forward, the accepted path
-    walked on the device (at each level the first child of the accepted node that is the target's argmax) and one
-    read back. Returns (accepted nodes, committed tokens: theirs and the next token, features as verify_round's)."""
-    device, count, width = target.device, len(beam.tokens), beam.width
+    """verify_round for a Beam (targets without linear-attention layers): one forward, the accepted path walked on
+    the device and one read back. Returns (accepted nodes, committed tokens: theirs and the next token, features as
+    verify_round's)."""
+    device, count = target.device, len(beam.tokens)
     ids = torch.cat([torch.tensor([last], device=device), beam.tokens])
-    positions = torch.tensor([base] + [base + 1 + i // width for i in range(count)], device=device)
+    positions = torch.tensor([base] + [base + 1 + i // beam.width for i in range(count)], device=device)
     mask = torch.cat([torch.ones(count + 1, base + 1, dtype=torch.bool, device=device),
                       torch.cat([torch.zeros(1, count, dtype=torch.bool, device=device), beam.ancestors])], dim=1)
     h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions,
                                     slots=base + torch.arange(count + 1, device=device), mask=mask, capture=layers)
-    best = target.logits(h).argmax(-1)  # row 0: after the root; row i + 1: after node i
-    node, row, path = torch.tensor(-1, device=device), torch.tensor(0, device=device), []
-    for level in range(beam.levels):
-        own = slice(level * width, (level + 1) * width)
-        hit = (beam.parents[own] == node) & (beam.tokens[own] == best[row])
-        found = hit.any()
-        chosen = level * width + hit.int().argmax()  # the first hit, as verify_tree tries siblings in order
-        node = torch.where(found, chosen, -2)  # -2: no node's parent, so the walk stays stopped
-        row = torch.where(found, chosen + 1, row)
-        path.append(torch.where(found, chosen, -1))
-    read = torch.cat([torch.stack(path), best[row].view(1), beam.tokens]).tolist()  # the round's one read back
+    logits = target.logits(h)  # row 0: after the root; row i + 1: after node i
+    if sampler.greedy:
+        decision = _greedy_walk(beam, logits.argmax(-1))
+    else:
+        decision = tree_rejection_on_device(beam.parents, beam.tokens, sampler.probs(logits), beam.levels,
+                                            sampler.generator)
+    read = torch.cat([decision, beam.tokens]).tolist()  # the round's one read back
     walk, bonus, tokens = read[: beam.levels], read[beam.levels], read[beam.levels + 1:]
     accepted = [i for i in walk if i >= 0]
     if accepted != list(range(len(accepted))):  # the accepted branch's KV moves into place
@@ -222,15 +218,35 @@ def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last
     return accepted, [tokens[i] for i in accepted] + [bonus], {layer: h[:, rows] for layer, h in captured.items()}
 
 
+def _greedy_walk(beam: Beam, best: torch.Tensor) -> torch.Tensor:
+    """verify_tree's greedy walk on the device: at each level the first child of the accepted node that is the
+    target's argmax. Returns [levels + 1]: the accepted node per level (-1 once stopped), then the next token."""
+    width, device = beam.width, beam.tokens.device
+    node, row, path = torch.tensor(-1, device=device), torch.tensor(0, device=device), []
+    for level in range(beam.levels):
+        own = slice(level * width, (level + 1) * width)
+        hit = (beam.parents[own] == node) & (beam.tokens[own] == best[row])
+        found = hit.any()
+        chosen = level * width + hit.int().argmax()  # the first hit, as verify_tree tries siblings in order
+        node = torch.where(found, chosen, -2)  # -2: no node's parent, so the walk stays stopped
+        row = torch.where(found, chosen + 1, row)
+        path.append(torch.where(found, chosen, -1))
+    return torch.cat([torch.stack(path), best[row].view(1)])
+
+
 def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
     parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
     if sampler.greedy:
         return verify_tree(parents, tokens, None, logits.argmax(-1).tolist())
-    p = sampler.probs(logits)
+    p, drafts = sampler.probs(logits), torch.tensor(tokens, dtype=torch.long, device=logits.device)
     if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
-        count, token = chain_rejection(tokens, torch.stack([n.q for n in nodes]), p, sampler.generator)
+        q = torch.stack([n.q for n in nodes])
+        count, token = chain_rejection_on_device(drafts, q, p, sampler.generator).tolist()
         return list(range(count)), token
-    return verify_tree(parents, tokens, p, None, sampler.generator)
+    depth = max(n.depth for n in nodes) if nodes else 0
+    tree = torch.tensor(parents, dtype=torch.long, device=p.device)
+    *walk, token = tree_rejection_on_device(tree, drafts, p, depth, sampler.generator).tolist()  # the one read back
+    return [node for node in walk if node >= 0], token
 
 
 def trajectory_verifier(teacher: Teacher):

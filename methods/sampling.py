@@ -57,6 +57,10 @@ class Sampler:
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """What draft trees rank children by: log-softmax at T=0, else the log of `probs` (-inf outside top-k/p)."""
+        return torch.log_softmax(logits.float(), dim=-1) if self.greedy else self.probs(logits).log()
+
     def draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -75,9 +79,8 @@ class Sampler:
         """Draft-tree expansion: each row of draft logits [P, V] proposes its top `width` tokens; the `width` best
         (parent row, token, cumulative log-probability) overall, best first, under these sampling settings. The
         level is read back once (ids below 2**53 are exact as float64)."""
-        logp = torch.log_softmax(logits.float(), dim=-1) if self.greedy else self.probs(logits).log()
-        top = torch.topk(logp, width, dim=-1)
-        scores = top.values + torch.tensor(parent_scores, device=logp.device)[:, None]
+        top = torch.topk(self.log_probs(logits), width, dim=-1)
+        scores = top.values + torch.tensor(parent_scores, device=logits.device)[:, None]
         best = torch.topk(scores.flatten(), width)
         tokens = top.indices.flatten()[best.indices]
         rows, ids, values = torch.stack([(best.indices // width).double(), tokens.double(), best.values.double()]).tolist()

@@ -82,6 +82,51 @@ def chain_rejection_on_device(draft: torch.Tensor, q: torch.Tensor, p: torch.Ten
     return torch.stack([count, token])
 
 
+def siblings_on_device(kids: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_siblings for many sibling groups at once, every decision on the device. Group g's candidates are
+    tokens[kids[g]] (kids [G, K], -1 pads a short group) against p [G, V]. Returns the accepted slot per group (-1 for
+    none) and the token each group emits when none is accepted.
+
+    The sequential rule in closed form: after siblings 1..i-1 are rejected the residual is p with their mass removed,
+    so sibling i is accepted iff u_i (1 - sum_{l<i} p(x_l)) < p(x_i), all uniforms drawn at once; a token repeated
+    among siblings has no mass left the second time."""
+    valid = kids >= 0
+    token = tokens[kids.clamp(min=0)] if len(tokens) else torch.zeros_like(kids)
+    repeated = ((token[:, :, None] == token[:, None, :]) & valid[:, None, :]).tril(-1).any(-1)
+    px = p.gather(1, token) * (valid & ~repeated)
+    left = 1 - (px.cumsum(1) - px)  # the mass not yet rejected when sibling i is tried
+    u = torch.rand(px.shape, generator=generator, device=p.device)
+    accept = (px > 0) & ((u * left < px) | (left <= px))
+    slot = torch.where(accept.any(1), accept.int().argmax(1), -1)
+    rejected = torch.zeros_like(p).scatter_add(1, token, valid.to(p.dtype)) > 0
+    rest = p.masked_fill(rejected, 0.0)
+    rest = torch.where(rest.sum(1, keepdim=True) > 0, rest, p)  # all mass rejected: only rounding can get here
+    return slot, torch.multinomial(rest, 1, generator=generator)[:, 0]
+
+
+def tree_rejection_on_device(parents: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, depth: int,
+                             generator: torch.Generator | None = None) -> torch.Tensor:
+    """verify_tree's sibling rule with every decision on the device: node i has token tokens[i] and parent
+    parents[i] (-1: the root; siblings are tried in index order), row 0 of p [N + 1, V] is the target's distribution
+    at the root, row i + 1 the one after node i, and no node lies deeper than `depth`. Every row's sibling test is
+    drawn at once (an unvisited row's draw is never used, so the walk's outcome keeps its distribution), then the
+    path is walked level by level on the device. Returns [depth + 1]: the accepted node per level (-1 once the walk
+    stopped), then the next token."""
+    count, device = len(tokens), p.device
+    rank = (parents[:, None] == parents[None, :]).tril(-1).sum(1)  # a node's place among its siblings
+    kids = torch.full((count + 1, max(1, count)), -1, device=device)
+    kids.index_put_((parents + 1, rank), torch.arange(count, device=device))
+    slot, emitted = siblings_on_device(kids, tokens, p, generator)
+    chosen = torch.where(slot >= 0, kids.gather(1, slot.clamp(min=0)[:, None])[:, 0], -1)  # accepted node per row
+    row, path = torch.zeros((), dtype=torch.long, device=device), []
+    for _ in range(depth):
+        node = chosen[row]
+        path.append(node)
+        row = torch.where(node >= 0, node + 1, row)  # a stopped walk stays on its row, whose choice is -1
+    return torch.cat([torch.stack(path), emitted[row].view(1)]) if path else emitted[:1]
+
+
 def verify_siblings(
     candidates: list[int], p: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[int | None, int]:

@@ -64,7 +64,7 @@ def test_a_configuration_names_its_method_and_parameters():
         parse_configuration("spd:n")
 
 
-@pytest.mark.parametrize("width, temperature", [(1, 0.0), (1, 1.0), (4, 0.0)])
+@pytest.mark.parametrize("width, temperature", [(1, 0.0), (1, 1.0), (4, 0.0), (4, 1.0)])
 def test_an_eagle3_round_reads_back_once(width, temperature):
     from methods.eagle3.head import EagleConfig, EagleHead
     from methods.eagle3.method import EAGLE3, EagleParams
@@ -82,16 +82,45 @@ def test_an_eagle3_round_reads_back_once(width, temperature):
     assert counts.syncs <= steps + 2 * len(PROMPTS), dict(counts.sites)  # + the prefill's token per prompt
 
 
-@pytest.mark.parametrize("width", [1, 4])
-def test_an_spd_cycle_reads_back_at_most_twice(width):
+@pytest.mark.parametrize("width, temperature", [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)])
+def test_an_spd_cycle_reads_back_at_most_twice(width, temperature):
     from methods.pipeline.spd import SPD
     from methods.pipeline.speculator import Speculator, SpeculatorConfig
 
     target = TargetRuntime(tiny_model("llama", num_layers=8), max_len=256)
     speculator = Speculator(SpeculatorConfig(n=4, ls=1, num_layers=8), target).eval()
     method = SPD(target, SPD.Params(n=4, ls=1, width=width), set(), speculator=speculator)
-    counts, _, steps = _counts(method)
+    sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
+
+    def generate(ids):
+        made = method.generate(ids, 24, sampler)
+        return made.output_ids, made.steps
+
+    counts, _, steps = count_generation(generate, PROMPTS)
     assert counts.syncs <= 2 * steps, dict(counts.sites)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_ssd_round_reads_back_its_speculation_and_its_verdict(temperature, monkeypatch):
+    """Per round: the speculation cache's tokens at once and the verification's decision; a round whose drafts
+    missed the cache also reads back the drafts it drafts then (the synchronous rerun is left out of the count)."""
+    from methods.eagle3.head import EagleConfig, EagleHead
+    from methods.ssd.method import SSD, SSDParams
+
+    target = TargetRuntime(tiny_model("llama"), max_len=256)
+    head = EagleHead(EagleConfig(ttt=3, num_layers=6), target).eval()
+    method = SSD(target, SSDParams(ttt=3), set(), head=head)
+    monkeypatch.setattr(SSD, "_time_synchronous", lambda *args: None)
+    sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
+    misses = []
+
+    def generate(ids):
+        made = method.generate(ids, 24, sampler)
+        misses.append(made.stats.fallback_drafts)
+        return made.output_ids, made.steps
+
+    counts, _, steps = count_generation(generate, PROMPTS)
+    assert counts.syncs <= 2 * steps + sum(misses) + len(PROMPTS), dict(counts.sites)  # + the prefill's token
 
 
 def test_the_distributed_pipeline_driver_reads_back_at_most_twice_a_cycle(tmp_path):

@@ -10,6 +10,8 @@ from methods.verify import (
     greedy_accept,
     greedy_chain,
     residual,
+    siblings_on_device,
+    tree_rejection_on_device,
     verify_siblings,
     verify_tree,
 )
@@ -94,13 +96,38 @@ def test_the_device_chain_rules_decide_as_the_host_ones():
     assert chain_rejection_on_device(torch.tensor([0, 3]), torch.stack([q[0], torch.eye(V)[3]]), p).tolist() == [1, 1]
 
 
+def _siblings_device(candidates, p, g):
+    kids = torch.arange(len(candidates))[None]
+    slot, emitted = siblings_on_device(kids, torch.tensor(candidates), p[None], g)
+    return (None, int(emitted[0])) if slot[0] < 0 else (int(slot[0]), candidates[int(slot[0])])
+
+
+@pytest.mark.parametrize("rule", [verify_siblings, _siblings_device], ids=["host", "device"])
 @pytest.mark.parametrize("width", [1, 4])
-def test_sibling_rule_output_follows_p_for_deterministic_candidates(width):
+def test_sibling_rule_output_follows_p_for_deterministic_candidates(width, rule):
     p, q = _dist(6), _dist(7)
     candidates = torch.topk(q, width).indices.tolist()
     g = torch.Generator().manual_seed(2)
-    counts = _histogram(lambda: verify_siblings(candidates, p, g)[1])
+    counts = _histogram(lambda: rule(candidates, p, g)[1])
     assert _tv(counts, p) < TV_BOUND
+
+
+def test_the_device_sibling_rule_decides_point_masses_and_repeats_as_the_host_one():
+    p = torch.eye(V)[[2, 4]]  # group 0 wants token 2, group 1 token 4
+    kids = torch.tensor([[0, 1, 2], [1, 1, -1]])  # group 1 offers token 3 twice: rejected, then no mass left
+    slot, emitted = siblings_on_device(kids, torch.tensor([1, 3, 2]), p)
+    assert slot.tolist() == [2, -1] and emitted[1] == 4
+    assert verify_siblings([1, 3, 2], p[0]) == (2, 2) and verify_siblings([3, 3], p[1])[0] is None
+
+
+def _ancestry(parents, node):
+    return [node] + (_ancestry(parents, parents[node]) if parents[node] >= 0 else [])
+
+
+def _tree_device(parents, tokens, p, argmax, g):
+    depth = 0 if not parents else max(len(_ancestry(parents, node)) for node in range(len(parents)))
+    read = tree_rejection_on_device(torch.tensor(parents), torch.tensor(tokens), p, depth, g).tolist()
+    return [node for node in read[:-1] if node >= 0], read[-1]
 
 
 def test_a_broken_residual_would_fail_the_bound():
@@ -118,7 +145,8 @@ def test_a_broken_residual_would_fail_the_bound():
     assert _tv(_histogram(broken), p) > 2 * TV_BOUND
 
 
-def test_tree_walk_width_4_two_levels_follows_the_joint_distribution():
+@pytest.mark.parametrize("rule", [verify_tree, _tree_device], ids=["host", "device"])
+def test_tree_walk_width_4_two_levels_follows_the_joint_distribution(rule):
     """Root has 4 children, each with 2 children: the first two emitted tokens follow p1(a) p2(b | a)."""
     p1 = _dist(30)
     p2 = [_dist(40 + a) for a in range(V)]
@@ -132,7 +160,7 @@ def test_tree_walk_width_4_two_levels_follows_the_joint_distribution():
     g = torch.Generator().manual_seed(4)
 
     def draw():
-        path, nxt = verify_tree(parents, tokens, p, None, g)
+        path, nxt = rule(parents, tokens, p, None, g)
         emitted = [tokens[n] for n in path] + [nxt]
         if len(emitted) == 1:
             emitted.append(int(torch.multinomial(p2[emitted[0]], 1, generator=g)))

@@ -236,11 +236,14 @@ class _Level:
 
 
 def _levels(positions: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor) -> list[_Level]:
-    """A tree call's tokens grouped by position, shallowest first (a level's parents lie one position before)."""
+    """A tree call's tokens grouped by position, shallowest first (a level's parents lie one position before); the
+    tree is read back once."""
+    at, own, parent = torch.stack([positions, slots.to(positions.device), parents.to(positions.device)]).tolist()
     levels = []
-    for position in sorted(set(positions.tolist())):
-        rows = (positions == position).nonzero()[:, 0]
-        levels.append(_Level(position, rows, parents.to(rows.device)[rows].tolist(), slots.to(rows.device)[rows].tolist()))
+    for position in sorted(set(at)):
+        rows = [row for row, p in enumerate(at) if p == position]
+        levels.append(_Level(position, torch.tensor(rows, device=positions.device), [parent[r] for r in rows],
+                             [own[r] for r in rows]))
     return levels
 
 

@@ -286,10 +286,13 @@ class HeadSession:
         mask = self.cache.begin(positions, base + own, mask)
         return head.rows(head.embed(tokens[None]), feature, positions, mask, self.cache)
 
-    def draft_rows(self, nodes: list[Node], level: list[int], base: int) -> torch.Tensor:
-        """Rows for the nodes of one level, reading their parents' states; node i sits in slot base + i."""
+    def draft_rows(self, nodes: list[Node], level: list[int], base: int, tokens: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Rows for the nodes of one level, reading their parents' states; node i sits in slot base + i. `tokens`:
+        the level's tokens where they are still on the device (default: the nodes')."""
         head = self.head
-        tokens = torch.tensor([nodes[i].token for i in level], device=self.device)
+        if tokens is None:
+            tokens = torch.tensor([nodes[i].token for i in level], device=self.device)
         feature = torch.cat([nodes[nodes[i].parent].state if nodes[i].parent >= 0 else self.root for i in level], 1)
         positions = torch.tensor([base + nodes[i].depth for i in level], device=self.device)
         slots = torch.tensor([base + i for i in level], device=self.device)

@@ -121,7 +121,7 @@ class EAGLE3(Method):
         first, captured = self.prefill(prompt_ids, sampler, timer)
         if self.params.width == 1:
             return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._chain_round)
-        if sampler.greedy and not self.target.has_linear_layers:
+        if not self.target.has_linear_layers:
             return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._beam_round)
         return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
 
@@ -195,9 +195,9 @@ class EAGLE3(Method):
 
     def _beam_round(self, head: HeadSession, base: int, last: int, sampler: Sampler, timer: Timer):
         with timer("drafter"):
-            beam = self._draft_beam(head, base)
+            beam = self._draft_beam(head, base, sampler)
         with timer("verify"):
-            accepted, tokens, features = verify_beam(self.target, self.layers, beam, last, base)
+            accepted, tokens, features = verify_beam(self.target, self.layers, beam, last, base, sampler)
         return len(accepted), tokens, features
 
     def _draft_chain(self, head: HeadSession, base: int, sampler: Sampler) -> Chain:
@@ -215,14 +215,14 @@ class EAGLE3(Method):
                 state = head.chain_row(token, state, base, depth)
         return Chain(torch.cat(tokens), torch.stack(qs) if qs else None)
 
-    def _draft_beam(self, head: HeadSession, base: int) -> Beam:
-        """T=0 trees: each level keeps the `width` best children by cumulative log-probability (best_children's rule)
-        with every choice, parent and ancestor mask on the device."""
+    def _draft_beam(self, head: HeadSession, base: int, sampler: Sampler) -> Beam:
+        """Trees: each level keeps the `width` best children by cumulative log-probability under the sampling
+        settings (best_children's rule) with every choice, parent and ancestor mask on the device."""
         width, m, device = self.params.width, self.params.m, self.target.device
         ancestors = torch.zeros(m * width, m * width, dtype=torch.bool, device=device)
         tokens, parents, scores, states = [], [], torch.zeros(1, device=device), head.root
         for depth in range(1, m + 1):
-            top = torch.topk(torch.log_softmax(self._draft_logits(states, base, depth), dim=-1), width, dim=-1)
+            top = torch.topk(sampler.log_probs(self._draft_logits(states, base, depth)), width, dim=-1)
             best = torch.topk((top.values + scores[:, None]).flatten(), width)
             rows, scores = best.indices // width, best.values
             own = torch.arange((depth - 1) * width, depth * width, device=device)

@@ -26,7 +26,7 @@ from methods.pipeline.speculator import Speculator
 from methods.pipeline.stats import PipelineShape, PipelineStats
 from methods.pipeline.tree import Level, Token, fill_level, keep_subtree, prune_dead_branches
 from methods.sampling import Sampler
-from methods.verify import accept_or_resample, verify_siblings
+from methods.verify import chain_rejection_on_device, siblings_on_device
 
 PLACEHOLDER = -1  # token id drafted where no draft can change an outcome (see StageExecutor.outcomes_known)
 
@@ -192,9 +192,13 @@ class PipelineEngine:
         if sampler.greedy:
             best = int(torch.argmax(logits))
             return next((t for t in candidates if t.token == best), None), best
-        p = sampler.probs(logits)
-        if candidates[0].draft_probs is not None:  # a sampled chain draft
-            ok, token = accept_or_resample(candidates[0].token, candidates[0].draft_probs, p, sampler.generator)
-            return (candidates[0] if ok else None), token
-        index, token = verify_siblings([t.token for t in candidates], p, sampler.generator)
-        return (None if index is None else candidates[index]), token
+        p, drafts = sampler.probs(logits), torch.tensor([t.token for t in candidates], device=logits.device)
+        if candidates[0].draft_probs is not None:  # a sampled chain draft: the p/q rule (p's second row, the bonus
+            # after an accepted draft, goes unused: the draft itself is the token)
+            count, token = chain_rejection_on_device(drafts, candidates[0].draft_probs[None], torch.stack([p, p]),
+                                                     sampler.generator).tolist()
+            return (candidates[0] if count else None), token
+        slot, emitted = siblings_on_device(torch.arange(len(candidates), device=p.device)[None], drafts, p[None],
+                                           sampler.generator)
+        index, token = torch.cat([slot, emitted]).tolist()  # the decision's one read back
+        return (None, token) if index < 0 else (candidates[index], candidates[index].token)

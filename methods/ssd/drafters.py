@@ -88,10 +88,12 @@ class _ModelRows:
         h, _ = runtime.run_layers(0, runtime.num_layers, runtime.embed(ids), range(start, start + len(tokens)))
         self.root = h[:, -1:]
 
-    def draft_rows(self, nodes: list[Node], level: list[int], base: int) -> torch.Tensor:
-        """States of the nodes of one level (their parents' rows computed before)."""
+    def draft_rows(self, nodes: list[Node], level: list[int], base: int, tokens: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """States of the nodes of one level (their parents' rows computed before); `tokens` as HeadSession's."""
         runtime, device = self.runtime, self.runtime.device
-        tokens = torch.tensor([nodes[i].token for i in level], device=device)
+        if tokens is None:
+            tokens = torch.tensor([nodes[i].token for i in level], device=device)
         positions = torch.tensor([base + nodes[i].depth for i in level], device=device)
         slots = torch.tensor([base + 1 + i for i in level], device=device)
         parents = torch.tensor([base + 1 + nodes[i].parent if nodes[i].parent >= 0 else base for i in level],

@@ -12,6 +12,8 @@ from methods.base import Timer
 from methods.rounds import Node
 from methods.sampling import Sampler
 
+UNREAD = -1  # a draft's token while it is still on the device (filled in when its chain is read back)
+
 
 def saguaro(probs: torch.Tensor, x: float, fan_out: int) -> torch.Tensor:
     """Draft probabilities [R, V] with each row's top fan_out + 1 scaled by x, renormalised (x = 1: unchanged)."""
@@ -56,53 +58,70 @@ class Speculation:
             nodes[i].state = head.draft_rows(nodes, [i], base)
         states = torch.cat([head.root] + [n.state for n in nodes], dim=1)
         logits = self.logits(states, [base + 1 + a for a in range(len(nodes) + 1)])  # after a accepted drafts
-        outcomes, drafted = [], len(nodes)  # the guesses join `nodes` below
-        for accepted, row in enumerate(logits):
-            if accepted < drafted:  # had the target chosen the draft, it would have been accepted
-                row = row.clone()
-                row[nodes[accepted].token] = float("-inf")
-            guesses = torch.topk(row, min(self.params.fan_outs[accepted], row.shape[-1])).indices.tolist()
-            for token in guesses:
-                outcomes.append((accepted, token, len(nodes)))
-                nodes.append(Node(token, accepted - 1, accepted + 1))
-        chains = self._extend(head, nodes, [index for _, _, index in outcomes], base, sampler, self.params.saguaro_x)
-        return {(accepted, token): chain for (accepted, token, _), chain in zip(outcomes, chains)}
+        drafted, fan_outs = len(nodes), self.params.fan_outs[: len(logits)]
+        if drafted:  # had the target chosen the draft, it would have been accepted: never a guess
+            logits = logits.clone()
+            logits[torch.arange(drafted, device=logits.device),
+                   torch.tensor([d.token for d in drafts], device=logits.device)] = float("-inf")
+        ranked = torch.topk(logits, min(max(fan_outs), logits.shape[-1])).indices
+        outcomes = [(accepted, rank) for accepted, fan_out in enumerate(fan_outs) for rank in range(fan_out)]
+        frontier = []
+        for accepted, _ in outcomes:  # the guesses join `nodes`, their tokens still on the device
+            frontier.append(len(nodes))
+            nodes.append(Node(UNREAD, accepted - 1, accepted + 1))
+        at = torch.tensor(outcomes, dtype=torch.long, device=ranked.device).reshape(-1, 2)
+        chains, guesses = self._extend(head, nodes, frontier, base, sampler, self.params.saguaro_x,
+                                       ranked[at[:, 0], at[:, 1]])
+        return {(accepted, token): chain for (accepted, _), token, chain in zip(outcomes, guesses, chains)}
 
-    def _extend(self, head, nodes: list[Node], frontier: list[int], base: int, sampler: Sampler, saguaro_x: float
-                ) -> list[list[Node]]:
+    def _extend(self, head, nodes: list[Node], frontier: list[int], base: int, sampler: Sampler, saguaro_x: float,
+                tokens: torch.Tensor | None = None) -> tuple[list[list[Node]], list[int]]:
         """k drafts below each frontier node (-1: the root), all frontier rows in each drafter call; returns each
-        chain as a fresh round of drafts (parents and depths from 1)."""
+        chain as a fresh round of drafts (parents and depths from 1) and the frontier's tokens. `tokens`: the
+        frontier's tokens where they are still on the device. Every token stays there until the last step, then all
+        are read back at once."""
         chains: list[list[Node]] = [[] for _ in frontier]
+        drawn = [] if tokens is None else [tokens]  # the frontier's tokens, then each step's drafts
+        levels = [frontier]  # the nodes each row of `drawn` fills in
         for step in range(self.params.k):
             if step or frontier != [-1]:
-                states = head.draft_rows(nodes, frontier, base)
+                states = head.draft_rows(nodes, frontier, base, drawn[-1] if drawn else None)
                 for i, index in enumerate(frontier):
                     nodes[index].state = states[:, i: i + 1]
             rows = torch.cat([nodes[i].state if i >= 0 else head.root for i in frontier], dim=1)
             positions = [base + 1 + (nodes[i].depth if i >= 0 else 0) for i in frontier]
-            tokens, qs = self._draw(self.logits(rows, positions), sampler, saguaro_x)
+            drafts, qs = self._draw(self.logits(rows, positions), sampler, saguaro_x)
+            drawn.append(drafts)
             children = []
-            for chain, parent, token, q in zip(chains, frontier, tokens, qs):
+            for chain, parent, q in zip(chains, frontier, qs):
                 depth = nodes[parent].depth + 1 if parent >= 0 else 1
-                nodes.append(Node(token, parent, depth, q=q))
+                nodes.append(Node(UNREAD, parent, depth, q=q))
                 children.append(len(nodes) - 1)
-                chain.append(Node(token, len(chain) - 1, len(chain) + 1, q=q))
+                chain.append(Node(UNREAD, len(chain) - 1, len(chain) + 1, q=q))
             frontier = children
-        return chains
+            levels.append(frontier)
+        read = torch.stack(drawn).tolist() if drawn else []  # every token at once
+        levels = levels[len(levels) - len(read):]
+        for level, row in zip(levels, read):
+            for index, token in zip(level, row):
+                nodes[index].token = token
+        for step, row in enumerate(read[len(read) - self.params.k:] if self.params.k else []):
+            for chain, token in zip(chains, row):
+                chain[step].token = token
+        return chains, (read[0] if tokens is not None else [])
 
     def logits(self, states: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """The drafter's full-vocabulary draft logits [R, V] for its states [1, R, D], row r drafting the token at
         positions[r] (tests steer the drafter by position)."""
         return self.drafter.logits(states)
 
-    def _draw(self, logits: torch.Tensor, sampler: Sampler, saguaro_x: float) -> tuple[list[int], list]:
-        """One draft per row of logits [R, V]: the argmax at T=0, else a sample of Saguaro's q (x = 1: the drafter's
-        own distribution; kept for the p/q rule)."""
+    def _draw(self, logits: torch.Tensor, sampler: Sampler, saguaro_x: float) -> tuple[torch.Tensor, list]:
+        """One draft per row of logits [R, V] (on the device): the argmax at T=0, else a sample of Saguaro's q (x = 1:
+        the drafter's own distribution; kept for the p/q rule)."""
         if sampler.greedy:
-            return logits.argmax(-1).tolist(), [None] * len(logits)
+            return logits.argmax(-1), [None] * len(logits)
         q = saguaro(sampler.probs(logits), saguaro_x, self.params.fan_out)
-        tokens = torch.multinomial(q, 1, generator=sampler.generator)[:, 0].tolist()
-        return tokens, list(q)
+        return torch.multinomial(q, 1, generator=sampler.generator)[:, 0], list(q)
 
 
 class OracleSpeculation(Speculation):
