@@ -44,6 +44,7 @@ class RunConfig:
     devices: str | None = None  # distributed: one device per served rank, comma list
     timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
     join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
+    compile: str = "off"  # the target's layer step: eager (off), compiled (on), compiled or eager saying why (auto)
 
     @property
     def stage_devices(self) -> list[str]:

@@ -65,6 +65,7 @@ class WorkItem:
         words += ["--dtype", c.dtype] if c.dtype else []
         words += ["--data-dir", c.data_dir] if c.data_dir else []
         words += ["--simulate"] if c.simulate else []
+        words += ["--compile", c.compile] if c.compile != "off" else []
         return shlex.join([*words, "--out", str(c.out)])
 
 

@@ -44,7 +44,7 @@ def sample_seed(seed: int, sample: Sample) -> int:
 def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafter: str | None) -> str:
     """The configuration key of a run's records: everything that defines it (method, parameters, model weights,
     sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights:
-    `drafter_fingerprint`)."""
+    `drafter_fingerprint`, and a compiled step)."""
     return config_key({
         "method": config.method,
         "params": config.params,
@@ -58,6 +58,7 @@ def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafte
         **({"executor": {"kind": "distributed", "world_size": len(config.stage_devices) + 1,
                          "devices": config.stage_devices}} if config.executor == "distributed" else {}),
         **({"drafter": drafter} if drafter else {}),
+        **({"compile": config.compile} if config.compile != "off" else {}),
     })
 
 
@@ -83,7 +84,8 @@ class Runner:
                                    f"exceeds the model's context of {context} tokens; lower --max-new-tokens or "
                                    f"--limit the prompts")
             max_len = longest + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
-            self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity)
+            self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity,
+                                        compile=self.config.compile)
         return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
 
     def todo(self, samples: list[Sample], store: ResultStore) -> list[Sample]:
@@ -158,7 +160,7 @@ class Runner:
             else:
                 measuring.start()
                 generation, baseline = self._generate_pair(method, reference, prompt, sample, index % 2 == 0)
-                conditions = {**measuring.end().to_dict(), "linears": self.target.linears}  # the kernels timed
+                conditions = {**measuring.end().to_dict(), **self.target.engine()}  # the kernels timed
                 lossless = self._check(prompt, generation.output_ids, reference, baseline)
             store.append(self._record(sample, prompt, generation, lossless, baseline, conditions))
             tokens += len(generation.output_ids)

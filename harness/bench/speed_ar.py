@@ -42,6 +42,7 @@ class BenchResult:
     hf_tok_s: float
     versions: dict
     config_key: str
+    engine: dict | None = None  # how the harness's target ran (TargetRuntime.engine: kernels, compiled step)
 
 
 def read_bandwidth(size_bytes: int, device: torch.device, repeats: int = 5) -> float:
@@ -72,12 +73,12 @@ def timed(fn, ids: list[int]):
 
 
 def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeats: int, device: str, dtype: str | None,
-             data_dir: str | None) -> BenchResult:
+             data_dir: str | None, compile: str = "off") -> BenchResult:
     loaded = load_model(model, device, dtype)
     reference = load_model(model, device, dtype)  # HF generate runs on an untouched copy, as a user would load it
     samples = load_samples(dataset, data_dir, prompts)
     prompt_ids = [render_prompt(loaded.tokenizer, s.prompt) for s in samples]
-    target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8)
+    target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8, compile=compile)
     stops = sorted(stop_ids(loaded))
     ours = build_method("autoregressive", target, {}, set(stops))
     greedy = Sampler(SamplingConfig())
@@ -90,7 +91,7 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
 
     ours_s, hf_s, ratios, identical, tokens = [], [], [], True, 0
     with torch.inference_mode():
-        run_ours(prompt_ids[0][:16]), run_hf(prompt_ids[0][:16])  # warm-up both paths
+        run_ours(prompt_ids[0][:16]), run_hf(prompt_ids[0][:16])  # warm-up both paths (and compile ours)
         pairs = [(r, ids) for r in range(repeats) for ids in prompt_ids]
         for r, ids in tqdm(pairs, desc="bench ar vs hf generate", unit="pair"):
             if r % 2 == 0:  # alternate who goes first so neither always runs on a warmer cache
@@ -107,7 +108,8 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     bandwidth = read_bandwidth(weights, loaded.device)
     spec = {"kind": "bench-ar", "model": loaded.identity.to_dict(), "dataset": dataset, "prompts": prompts,
-            "max_new_tokens": max_new_tokens, "dtype": str(loaded.dtype), "device": loaded.device.type}
+            "max_new_tokens": max_new_tokens, "dtype": str(loaded.dtype), "device": loaded.device.type,
+            **({"compile": compile} if compile != "off" else {})}
     return BenchResult(
         kind="bench-ar", model=loaded.identity.to_dict(), dtype=str(loaded.dtype).removeprefix("torch."),
         device=loaded.device.type, dataset=dataset, prompts=len(prompt_ids), repeats=repeats,
@@ -115,7 +117,7 @@ def bench_ar(model: str, dataset: str, prompts: int, max_new_tokens: int, repeat
         median_ratio=statistics.median(ratios), identical=identical, tokens=tokens, weights_bytes=weights,
         read_gb_s=round(bandwidth / 1e9, 2), floor_tok_s=round(bandwidth / weights, 2),
         ours_tok_s=round(tokens / sum(ours_s), 2), hf_tok_s=round(tokens / sum(hf_s), 2),
-        versions=versions(), config_key=config_key(spec),
+        versions=versions(), config_key=config_key(spec), engine=target.engine(),
     )
 
 

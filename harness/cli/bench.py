@@ -10,6 +10,7 @@ from harness.bench.data import DATASETS
 from harness.cli import (
     _datasets,
     _values,
+    compile_option,
     data_option,
     device_option,
     dtype_option,
@@ -35,12 +36,13 @@ def bench():
 @device_option
 @dtype_option
 @data_option
+@compile_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/ar.jsonl"), show_default=True)
-def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, out):
+def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, compile_mode, out):
     """Harness AR decode vs HF generate, alternating runs; prints the median time ratio (HF / ours)."""
     from harness.bench.speed_ar import bench_ar, save
 
-    result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir)
+    result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, compile_mode)
     save(result, out)
     click.echo(f"outputs identical to HF generate: {result.identical}")
     click.echo(f"median speed ratio (HF generate time / harness AR time) over {len(result.ratios)} pairs: "
@@ -49,6 +51,8 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
                f"GB/s read = {result.floor_tok_s:.1f} tok/s; harness AR {result.ours_tok_s:.1f} tok/s "
                f"({result.ours_tok_s / result.floor_tok_s:.0%} of the floor), HF generate {result.hf_tok_s:.1f} "
                f"({result.hf_tok_s / result.floor_tok_s:.0%})")
+    if result.engine.get("compile"):
+        click.echo(f"compiled step: {result.engine['compile']}")
     click.echo(f"record: {out}")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from harness.cli import data_option, device_option, main
+from harness.cli import compile_option, data_option, device_option, main
 from harness.reporting.export import formats, formats_help
 from harness.runtime.errors import HarnessError
 
@@ -120,7 +120,8 @@ def export(fmt, results, out, replace):
 @replace_option
 @device_option
 @data_option
-def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, replace):
+@compile_option
+def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, compile_mode, replace):
     """Exit 1 when a figure fell beyond its noise and the margin, a sample lost losslessness, or a configuration is
     missing."""
     import tempfile
@@ -130,8 +131,8 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
 
     if write and rerun:
         raise click.UsageError("--write takes recorded results; drop --rerun")
-    if seed is not None and not rerun:
-        raise click.UsageError("--seed chooses the rerun's seed; add --rerun")
+    if (seed is not None or compile_mode != "off") and not rerun:
+        raise click.UsageError("--seed and --compile shape the rerun; add --rerun")
     outputs = Outputs(replace, what="--baseline")
     if write:
         outputs.claim(baseline)  # before the records are read
@@ -141,7 +142,7 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
         # before it (which a resumed run would keep instead of decoding) or with another drafter.
         parent = make_folder(results, "--results") if results else None
         results = Path(tempfile.mkdtemp(prefix="rerun-" if parent else "spd-bench-check-", dir=parent))
-        for problem in regression.rerun(expected, results, model, device, data_dir, seed):
+        for problem in regression.rerun(expected, results, model, device, data_dir, seed, compile_mode):
             click.echo(f"not rerun: {problem}")
         click.echo(f"rerun records: {results}")
     results = results or Path("results")

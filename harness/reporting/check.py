@@ -217,13 +217,13 @@ def _finite(*values) -> bool:
 
 
 def rerun(baseline: list[Expected], results: Path, model: str | None, device: str, data_dir: str | None,
-          seed: int | None = None) -> list[str]:
+          seed: int | None = None, compile: str = "off") -> list[str]:
     """Run every baseline configuration again into `results` (a fresh folder): same prompts, sampling,
-    lengths and dtype, at `seed` (default: the baseline's first), the drafter from the cache. Returns why
-    configurations could not run (they then count as missing)."""
+    lengths and dtype, at `seed` (default: the baseline's first), the drafter from the cache, the target's layer
+    step compiled as `compile` says. Returns why configurations could not run (they then count as missing)."""
     loaded_models, problems = {}, []
     for expected in baseline:
-        config, wanted = _config(expected.run, model, device, data_dir, seed)
+        config, wanted = _config(expected.run, model, device, data_dir, seed, compile)
         validate(config)
         samples = [s for s in load_prompts(config) if str(s.question_id) in wanted[s.dataset]]
         if len(samples) < sum(len(ids) for ids in wanted.values()):
@@ -245,7 +245,7 @@ def rerun(baseline: list[Expected], results: Path, model: str | None, device: st
     return problems
 
 
-def _config(spec: dict, model: str | None, device: str, data_dir: str | None, seed: int | None
+def _config(spec: dict, model: str | None, device: str, data_dir: str | None, seed: int | None, compile: str
             ) -> tuple[RunConfig, dict[str, set]]:
     wanted = {dataset: {str(q) for q in ids} for dataset, ids in spec["samples"].items()}
     # No AR timed beside each sample: the gate checks figures, not speed (at T=0 AR still decodes each prompt once,
@@ -254,7 +254,7 @@ def _config(spec: dict, model: str | None, device: str, data_dir: str | None, se
                        datasets=tuple(wanted), temperature=spec["temperature"], top_k=spec["top_k"],
                        top_p=spec["top_p"], max_new_tokens=spec["max_new_tokens"],
                        seed=spec["seeds"][0] if seed is None else seed, device=device, dtype=spec["dtype"],
-                       data_dir=data_dir, simulate=spec["simulate"], baseline=False)
+                       data_dir=data_dir, simulate=spec["simulate"], baseline=False, compile=compile)
     return config, wanted
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.runtime.compiled import CompiledStep, LayerKV
 from harness.runtime.kernels import pack_linears
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
@@ -121,15 +122,16 @@ class StateCache:
 
     # --- attention layers -------------------------------------------------------------------------------------
     def update(self, key, value, layer_idx, **_):
-        if self.kv is None:
+        if self.kv is None:  # shaped and typed after the first keys
             self.kv = key.new_zeros((2 * len(self.pair), key.shape[0], key.shape[1], self.max_len, key.shape[3]))
+        return self.layer(layer_idx).update(key, value)
+
+    def layer(self, layer_idx: int) -> LayerKV:
+        """Attention layer `layer_idx`'s views of the buffer up to this call's end (once the buffer exists)."""
         if self._views is None:
             self._views = self.kv.narrow(3, 0, self.kv_end).unbind(0)
-        k, v = self._views[2 * self.pair[layer_idx]], self._views[2 * self.pair[layer_idx] + 1]
-        with torch.no_grad():  # the cache is never trained through; unbind's views may only be written so
-            k.index_copy_(2, self.write, key)
-            v.index_copy_(2, self.write, value)
-        return k, v
+        pair = 2 * self.pair[layer_idx]
+        return LayerKV(self._views[pair], self._views[pair + 1], self.write)
 
     def kv_bytes(self, layers: range) -> int:
         """Bytes of keys and values one slot holds in `layers`."""
@@ -254,7 +256,8 @@ def _stack(states: list[torch.Tensor]) -> torch.Tensor:
 class TargetRuntime:
     """Layer-range execution of one sequence (batch 1) on a frozen HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int = 4096, rewind_window: int = 32, identity=None):
+    def __init__(self, model: torch.nn.Module, max_len: int = 4096, rewind_window: int = 32, identity=None,
+                 compile: str = "off"):
         self.model = model
         self.identity = identity  # ModelIdentity of the weights, for drafter checkpoints to match against
         self.config = model.config.get_text_config()
@@ -271,7 +274,13 @@ class TargetRuntime:
         self.dtype = next(model.parameters()).dtype
         self.linears = pack_linears(model) if self.device.type == "cpu" else "default"
         self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device)
+        self.compiled = None if compile == "off" else CompiledStep(compile)
         self._costs: dict[int, list[float]] = {}
+
+    def engine(self) -> dict:
+        """What a record says about how the target ran: its Linears' kernels and, when asked for, the compiled
+        step."""
+        return {"linears": self.linears, **({"compile": self.compiled.conditions()} if self.compiled else {})}
 
     @property
     def has_linear_layers(self) -> bool:
@@ -327,6 +336,8 @@ class TargetRuntime:
         for i in range(lo, hi):
             if self.layer_types[i] == "linear_attention" and levels:
                 h = self._branch_levels(i, h, levels)
+            elif self.compiled is not None and self.layer_types[i] == "full_attention" and self.cache.kv is not None:
+                h = self.compiled(self.layers[i], h, attn_mask, position_ids, rope, self.cache.layer(i))
             else:
                 h = self.layers[i](
                     h,
