@@ -213,3 +213,15 @@ def test_the_speedups_figure_shows_prompt_lookup_and_labels_no_empty_parameter()
     labels = [_label(s) for s in shown]
     assert any(label.startswith("lookup ") for label in labels), labels
     assert any(label.startswith("ssd k=3 ") for label in labels) and not any("fan_out_list=" in x for x in labels)
+
+
+def test_the_speedup_table_says_which_engine_made_each_configuration():
+    params = {"k": 10, "max_ngram": 3, "width": 1}
+    old, packed, compiled = (_row("lookup", params, "gsm8k") for _ in range(3))
+    packed["conditions"] = {"linears": "onednn"}
+    compiled["conditions"] = {"linears": "onednn", "compile": {"engine": "inductor", "graphs": 2}}
+    for rows, engine in (([old], "float32, engine not recorded"), ([packed], "float32, eager, packed Linears"),
+                         ([packed, compiled], "float32, compiled, packed Linears; float32, eager, packed Linears")):
+        (overall,) = [s for s in summarize(rows) if s.dataset == "overall"]
+        (table,) = [t for t in tables([overall]) if t.title.startswith("Theoretical vs modeled")]
+        assert table.rows[0][-1] == engine

@@ -66,6 +66,20 @@ class Block:
         return f"T={sampling_label(self.temperature, self.truncation)}, width {self.width}"
 
 
+_LINEARS = {"onednn": "packed Linears", "default": "default Linears"}
+
+
+def engine_label(row: dict) -> str:
+    """How a record's target ran: its dtype, eager or compiled, and its Linears' kernels (records older than the
+    lean engine did not say: "engine not recorded")."""
+    conditions = row.get("conditions") or {}
+    if "linears" not in conditions:
+        return f"{row.get('dtype', '?')}, engine not recorded"
+    compiled = (conditions.get("compile") or {}).get("engine") == "inductor"
+    linears = _LINEARS.get(conditions["linears"], conditions["linears"])
+    return f"{row.get('dtype', '?')}, {'compiled' if compiled else 'eager'}, {linears}"
+
+
 @dataclass
 class Summary:
     method: str
@@ -123,6 +137,11 @@ class Summary:
         if row.get("baseline"):
             self.baseline_tokens += row["baseline"]["new_tokens"]
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
+
+    @property
+    def engine(self) -> str:
+        """The dtypes and kernels its timed samples ran with (`engine_label`), distinct ones joined."""
+        return "; ".join(sorted({engine_label(row) for row, _ in self.units if not row.get("simulated")}))
 
     def prompts(self) -> dict[str, list[list]]:
         """Each dataset's prompts in the order first met, each as the samples that decoded it (one per run: several

@@ -195,14 +195,16 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
 
 def speedup_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(s.width), s.sampling, _ci(s, "theoretical_speedup"),
-             _ci(s, "reference_theoretical"), _ci(s, "modeled_speedup"), _wall(s), _ci(s, "tokens_per_second", 1)]
-            for s in overall if s.method != "autoregressive" and not s.simulated]
+             _ci(s, "reference_theoretical"), _ci(s, "modeled_speedup"), _wall(s), _ci(s, "tokens_per_second", 1),
+             s.engine] for s in overall if s.method != "autoregressive" and not s.simulated]
     if not rows:
         return []
     return [Table("Theoretical vs modeled multi-device vs measured wall-clock speedup",
-                  ["config", "width", "T", "theoretical x", "reference def. x", "modeled x", "wall-clock x", "tok/s"],
+                  ["config", "width", "T", "theoretical x", "reference def. x", "modeled x", "wall-clock x", "tok/s",
+                   "engine"],
                   rows, "theoretical: alpha * L / cycle layers (pooled); reference def.: the reference code's n * N / S "
-                        "per sample (N counts the prefill token), averaged over samples, as in its published tables")]
+                        "per sample (N counts the prefill token), averaged over samples, as in its published tables; "
+                        "engine: the dtype and kernels the timed samples ran with (AR beside them ran the same)")]
 
 
 def position_axes(overall: list[Summary]) -> dict:
