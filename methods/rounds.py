@@ -237,7 +237,7 @@ def _greedy_walk(beam: Beam, best: torch.Tensor) -> torch.Tensor:
 def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
     parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
     if sampler.greedy:
-        return verify_tree(parents, tokens, None, logits.argmax(-1).tolist())
+        return verify_tree(parents, tokens, logits.argmax(-1).tolist())
     p, drafts = sampler.probs(logits), torch.tensor(tokens, dtype=torch.long, device=logits.device)
     if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
         q = torch.stack([n.q for n in nodes])
@@ -261,7 +261,7 @@ def trajectory_verifier(teacher: Teacher):
             position = base + node.depth
             on_path.append(parent_ok and position < teacher.length and node.token == teacher.token(position))
             argmax.append(teacher.token(position + 1) if on_path[-1] and position + 1 < teacher.length else -1)
-        path, bonus = verify_tree([n.parent for n in nodes], [n.token for n in nodes], None, argmax)
+        path, bonus = verify_tree([n.parent for n in nodes], [n.token for n in nodes], argmax)
         features = {layer: h[:, base: base + len(path) + 1] for layer, h in teacher.features.items()}
         return path, bonus, features
 

@@ -2,6 +2,8 @@
 
 Every kernel preserves the target distribution p exactly (greedy: the argmax). They take probabilities already
 shaped by the sampler (temperature, top-k, top-p) and a torch.Generator, so toy-distribution tests can check them.
+The sampled rules decide on the device, every draw at once, so a round reads back only its outcome; their
+one-decision-at-a-time forms, as the papers state them, are the tests' reference (tests/reference_rules.py).
 """
 
 from __future__ import annotations
@@ -9,54 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def greedy_accept(draft: list[int], target_argmax: list[int]) -> int:
-    """Number of leading draft tokens equal to the target's argmax at their position."""
-    accepted = 0
-    for token, best in zip(draft, target_argmax):
-        if token != best:
-            break
-        accepted += 1
-    return accepted
-
-
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, p - q)); falls back to p where p == q (the residual is then never needed)."""
     r = torch.clamp(p - q, min=0.0)
     total = r.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, r / total.clamp(min=1e-30), p)
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
-
-
-def accept_or_resample(
-    token: int, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[bool, int]:
-    """One sampled draft x ~ q against target p: accept with min(1, p(x)/q(x)), else draw from the residual."""
-    if _uniform(generator) * float(q[token]) < float(p[token]):
-        return True, token
-    return False, _draw(residual(p, q), generator)
-
-
-def chain_rejection(
-    draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int, int]:
-    """Speculative sampling for a sampled chain: draft[i] ~ q[i]; p has one more row than the draft.
-
-    Accept draft[i] with probability min(1, p[i](x) / q[i](x)); on the first rejection draw the next token from
-    normalize(max(0, p[i] - q[i])); if every draft is accepted draw the bonus token from p[k].
-    Returns (accepted count, next token).
-    """
-    for i, token in enumerate(draft):
-        accepted, replacement = accept_or_resample(token, q[i], p[i], generator)
-        if not accepted:
-            return i, replacement
-    return len(draft), _draw(p[len(draft)], generator)
 
 
 def greedy_chain(draft: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
@@ -127,41 +86,11 @@ def tree_rejection_on_device(parents: torch.Tensor, tokens: torch.Tensor, p: tor
     return torch.cat([torch.stack(path), emitted[row].view(1)]) if path else emitted[:1]
 
 
-def verify_siblings(
-    candidates: list[int], p: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int | None, int]:
-    """Lossless test of deterministic sibling candidates against target probabilities p [V].
-
-    Siblings are tried in order; x is accepted with probability p'(x), where p' is the current residual (p' = p
-    at first); on rejection p'(x) = 0 and p' is renormalised. If every sibling fails the token is drawn from p'.
-    Returns (index of the accepted sibling or None, emitted token).
-    """
-    residual_p = p.clone()
-    for index, token in enumerate(candidates):
-        mass = float(residual_p[token])
-        if mass > 0 and _uniform(generator) < mass:
-            return index, token
-        residual_p[token] = 0.0
-        total = float(residual_p.sum())
-        if total <= 0:  # x held all remaining mass up to rounding: it is the only possible outcome
-            return index, token
-        residual_p /= total
-    return None, _draw(residual_p, generator)
-
-
-def verify_tree(
-    parents: list[int],
-    tokens: list[int],
-    p: torch.Tensor | None,
-    argmax: list[int] | None,
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], int]:
-    """Walk a draft tree from the root, accepting at most one child per level.
-
-    Node i has token tokens[i] and parent parents[i] (-1 for children of the root); siblings are tried in index
-    order. Row 0 of p / argmax is the target's distribution at the root, row i + 1 the one after node i. Pass
-    `argmax` for greedy verification, `p` for the sibling rule. Returns (accepted node path, next token).
-    """
+def verify_tree(parents: list[int], tokens: list[int], argmax: list[int]) -> tuple[list[int], int]:
+    """Walk a draft tree from the root at T=0, accepting at most one child per level: the first (in index order)
+    whose token is the target's argmax there. Node i has token tokens[i] and parent parents[i] (-1 for children of
+    the root); argmax[0] is the target's choice at the root, argmax[i + 1] the one after node i. Returns (accepted
+    node path, next token)."""
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):
         children.setdefault(parent, []).append(node)
@@ -169,15 +98,8 @@ def verify_tree(
     current = -1
     while True:
         row = current + 1
-        kids = children.get(current, [])
-        if argmax is not None:
-            chosen = next((k for k in kids if tokens[k] == argmax[row]), None)
-            if chosen is None:
-                return path, argmax[row]
-        else:
-            index, token = verify_siblings([tokens[k] for k in kids], p[row], generator)
-            if index is None:
-                return path, token
-            chosen = kids[index]
+        chosen = next((k for k in children.get(current, []) if tokens[k] == argmax[row]), None)
+        if chosen is None:
+            return path, argmax[row]
         path.append(chosen)
         current = chosen

@@ -2,17 +2,15 @@
 
 import pytest
 import torch
+from reference_rules import chain_rejection, greedy_accept, sampled_tree, verify_siblings
 
 from methods.sampling import Sampler, SamplingConfig
 from methods.verify import (
-    chain_rejection,
     chain_rejection_on_device,
-    greedy_accept,
     greedy_chain,
     residual,
     siblings_on_device,
     tree_rejection_on_device,
-    verify_siblings,
     verify_tree,
 )
 
@@ -124,7 +122,7 @@ def _ancestry(parents, node):
     return [node] + (_ancestry(parents, parents[node]) if parents[node] >= 0 else [])
 
 
-def _tree_device(parents, tokens, p, argmax, g):
+def _tree_device(parents, tokens, p, g):
     depth = 0 if not parents else max(len(_ancestry(parents, node)) for node in range(len(parents)))
     read = tree_rejection_on_device(torch.tensor(parents), torch.tensor(tokens), p, depth, g).tolist()
     return [node for node in read[:-1] if node >= 0], read[-1]
@@ -145,7 +143,7 @@ def test_a_broken_residual_would_fail_the_bound():
     assert _tv(_histogram(broken), p) > 2 * TV_BOUND
 
 
-@pytest.mark.parametrize("rule", [verify_tree, _tree_device], ids=["host", "device"])
+@pytest.mark.parametrize("rule", [sampled_tree, _tree_device], ids=["host", "device"])
 def test_tree_walk_width_4_two_levels_follows_the_joint_distribution(rule):
     """Root has 4 children, each with 2 children: the first two emitted tokens follow p1(a) p2(b | a)."""
     p1 = _dist(30)
@@ -160,7 +158,7 @@ def test_tree_walk_width_4_two_levels_follows_the_joint_distribution(rule):
     g = torch.Generator().manual_seed(4)
 
     def draw():
-        path, nxt = rule(parents, tokens, p, None, g)
+        path, nxt = rule(parents, tokens, p, g)
         emitted = [tokens[n] for n in path] + [nxt]
         if len(emitted) == 1:
             emitted.append(int(torch.multinomial(p2[emitted[0]], 1, generator=g)))
@@ -174,7 +172,7 @@ def test_tree_walk_greedy_follows_the_argmax_path():
     parents = [-1, -1, 0, 1, 1]
     tokens = [4, 2, 1, 0, 3]
     argmax = [2, 9, 3, 9, 9, 5]  # row 0: root wants 2 (node 1); row 2: after node 1 wants 3 (node 4); row 5: bonus
-    path, nxt = verify_tree(parents, tokens, None, argmax)
+    path, nxt = verify_tree(parents, tokens, argmax)
     assert path == [1, 4] and nxt == 5
 
 
