@@ -192,16 +192,21 @@ def verify_chain(target: TargetRuntime, layers: tuple[int, ...], drafts: Chain, 
 
 def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last: int, base: int, sampler: Sampler
                 ) -> tuple[list[int], list[int], dict]:
-    """verify_round for a Beam (targets without linear-attention layers): one forward, the accepted path walked on
-    the device and one read back. Returns (accepted nodes, committed tokens: theirs and the next token, features as
-    verify_round's)."""
+    """verify_round for a Beam: one forward, the accepted path walked on the device and one read back (a target
+    with linear-attention layers also reads the tree's shape back once, to run them level by level). Returns
+    (accepted nodes, committed tokens: theirs and the next token, features as verify_round's)."""
     device, count = target.device, len(beam.tokens)
     ids = torch.cat([torch.tensor([last], device=device), beam.tokens])
     positions = torch.tensor([base] + [base + 1 + i // beam.width for i in range(count)], device=device)
     mask = torch.cat([torch.ones(count + 1, base + 1, dtype=torch.bool, device=device),
                       torch.cat([torch.zeros(1, count, dtype=torch.bool, device=device), beam.ancestors])], dim=1)
+    parents = None  # the slot each token continues: the root the last committed one, a node its parent's
+    if target.has_linear_layers:
+        parents = torch.cat([torch.tensor([base - 1], device=device),
+                             torch.where(beam.parents >= 0, base + 1 + beam.parents, base)])
     h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions,
-                                    slots=base + torch.arange(count + 1, device=device), mask=mask, capture=layers)
+                                    slots=base + torch.arange(count + 1, device=device), mask=mask, parents=parents,
+                                    capture=layers)
     logits = target.logits(h)  # row 0: after the root; row i + 1: after node i
     if sampler.greedy:
         decision = _greedy_walk(beam, logits.argmax(-1))

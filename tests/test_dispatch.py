@@ -64,6 +64,26 @@ def test_a_configuration_names_its_method_and_parameters():
         parse_configuration("spd:n")
 
 
+@pytest.mark.parametrize("width, temperature", [(4, 0.0), (4, 1.0)])
+def test_an_eagle3_tree_on_linear_attention_reads_its_shape_and_its_outcome(width, temperature):
+    """Qwen3.5's linear layers take a tree level by level: the tree's shape is read back once per round, beside
+    its outcome."""
+    from methods.eagle3.head import EagleConfig, EagleHead
+    from methods.eagle3.method import EAGLE3, EagleParams
+
+    target = TargetRuntime(tiny_model("qwen3_5"), max_len=128)
+    head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
+    method = EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)
+    sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
+
+    def generate(ids):
+        made = method.generate(ids, 24, sampler)
+        return made.output_ids, made.steps
+
+    counts, _, steps = count_generation(generate, PROMPTS)
+    assert counts.syncs <= 2 * steps + len(PROMPTS), dict(counts.sites)  # + the prefill's token per prompt
+
+
 @pytest.mark.parametrize("width, temperature", [(1, 0.0), (1, 1.0), (4, 0.0), (4, 1.0)])
 def test_an_eagle3_round_reads_back_once(width, temperature):
     from methods.eagle3.head import EagleConfig, EagleHead

@@ -26,7 +26,6 @@ from methods.rounds import (
     target_prefill,
     verify_beam,
     verify_chain,
-    verify_round,
 )
 from methods.sampling import Sampler
 from methods.stats import Stats, same
@@ -121,9 +120,7 @@ class EAGLE3(Method):
         first, captured = self.prefill(prompt_ids, sampler, timer)
         if self.params.width == 1:
             return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._chain_round)
-        if not self.target.has_linear_layers:
-            return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._beam_round)
-        return self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._verify)
+        return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._beam_round)
 
     def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
         """The prompt's target forward: the first token and the head's feature layers over the prompt."""
@@ -267,8 +264,4 @@ class EAGLE3(Method):
         for row, token, score in sampler.best_children(logits, scores, width):
             nodes.append(Node(token, frontier[row], depth, score))
         return list(range(start, len(nodes)))
-
-    # --- verification ---------------------------------------------------------------------------------------------
-    def _verify(self, nodes: list[Node], last: int, base: int, sampler: Sampler):
-        return verify_round(self.target, self.layers, nodes, last, base, sampler)
 
