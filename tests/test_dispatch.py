@@ -64,41 +64,37 @@ def test_a_configuration_names_its_method_and_parameters():
         parse_configuration("spd:n")
 
 
-@pytest.mark.parametrize("width, temperature", [(4, 0.0), (4, 1.0)])
-def test_an_eagle3_tree_on_linear_attention_reads_its_shape_and_its_outcome(width, temperature):
-    """Qwen3.5's linear layers take a tree level by level: the tree's shape is read back once per round, beside
-    its outcome."""
-    from methods.eagle3.head import EagleConfig, EagleHead
-    from methods.eagle3.method import EAGLE3, EagleParams
-
-    target = TargetRuntime(tiny_model("qwen3_5"), max_len=128)
-    head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
-    method = EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)
+def _sampled_counts(method, temperature: float):
+    """Counts over PROMPTS with a seeded sampler at `temperature`: (counts, tokens, steps)."""
     sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
 
     def generate(ids):
         made = method.generate(ids, 24, sampler)
         return made.output_ids, made.steps
 
-    counts, _, steps = count_generation(generate, PROMPTS)
+    return count_generation(generate, PROMPTS)
+
+
+def _eagle3(arch: str, width: int):
+    from methods.eagle3.head import EagleConfig, EagleHead
+    from methods.eagle3.method import EAGLE3, EagleParams
+
+    target = TargetRuntime(tiny_model(arch), max_len=128)
+    head = EagleHead(EagleConfig(ttt=3, num_layers=target.num_layers), target).eval()
+    return EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_eagle3_tree_on_linear_attention_reads_its_shape_and_its_outcome(temperature):
+    """Qwen3.5's linear layers take a tree level by level: the tree's shape is read back once per round, beside
+    its outcome."""
+    counts, _, steps = _sampled_counts(_eagle3("qwen3_5", 4), temperature)
     assert counts.syncs <= 2 * steps + len(PROMPTS), dict(counts.sites)  # + the prefill's token per prompt
 
 
 @pytest.mark.parametrize("width, temperature", [(1, 0.0), (1, 1.0), (4, 0.0), (4, 1.0)])
 def test_an_eagle3_round_reads_back_once(width, temperature):
-    from methods.eagle3.head import EagleConfig, EagleHead
-    from methods.eagle3.method import EAGLE3, EagleParams
-
-    target = TargetRuntime(tiny_model("llama"), max_len=128)
-    head = EagleHead(EagleConfig(ttt=3, num_layers=6), target).eval()
-    method = EAGLE3(target, EagleParams(m=3, width=width, ttt=3), set(), head=head)
-    sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
-
-    def generate(ids):
-        made = method.generate(ids, 24, sampler)
-        return made.output_ids, made.steps
-
-    counts, _, steps = count_generation(generate, PROMPTS)
+    counts, _, steps = _sampled_counts(_eagle3("llama", width), temperature)
     assert counts.syncs <= steps + 2 * len(PROMPTS), dict(counts.sites)  # + the prefill's token per prompt
 
 
@@ -110,13 +106,7 @@ def test_an_spd_cycle_reads_back_at_most_twice(width, temperature):
     target = TargetRuntime(tiny_model("llama", num_layers=8), max_len=256)
     speculator = Speculator(SpeculatorConfig(n=4, ls=1, num_layers=8), target).eval()
     method = SPD(target, SPD.Params(n=4, ls=1, width=width), set(), speculator=speculator)
-    sampler = Sampler(SamplingConfig(temperature), torch.Generator().manual_seed(0))
-
-    def generate(ids):
-        made = method.generate(ids, 24, sampler)
-        return made.output_ids, made.steps
-
-    counts, _, steps = count_generation(generate, PROMPTS)
+    counts, _, steps = _sampled_counts(method, temperature)
     assert counts.syncs <= 2 * steps, dict(counts.sites)
 
 
