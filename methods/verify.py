@@ -19,18 +19,19 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_chain(draft: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
-    """greedy_accept on the device: [accepted count, next token] for draft [k] and the target's argmax [k + 1] at
-    the root and after each draft (nothing read back)."""
+    """Greedy acceptance of a chain on the device: [accepted count (the drafts that equal the target's argmax in a
+    row), next token] for draft [k] and the target's argmax [k + 1] at the root and after each draft (nothing read
+    back)."""
     count = (draft == target_argmax[:-1]).long().cumprod(0).sum()
     return torch.stack([count, target_argmax[count]])
 
 
 def chain_rejection_on_device(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
                               generator: torch.Generator | None = None) -> torch.Tensor:
-    """chain_rejection with every decision on the device: [accepted count, next token] for draft [k] ~ q [k, V]
-    against p [k + 1, V]. The k uniforms are drawn at once (the same rule: draft i is accepted iff u_i q_i(x) <
-    p_i(x) and every draft before it was); the next token comes from the first rejected row's residual, or from
-    p[k] when all are accepted."""
+    """Speculative sampling of a sampled chain with every decision on the device: [accepted count, next token] for
+    draft [k] ~ q [k, V] against p [k + 1, V]. The k uniforms are drawn at once (draft i is accepted iff u_i q_i(x) <
+    p_i(x) and every draft before it was); the next token comes from the first rejected row's residual
+    normalize(max(0, p_i - q_i)), or from p[k] when all are accepted."""
     k = len(draft)
     px = p[:k].gather(1, draft[:, None])[:, 0]
     qx = q.gather(1, draft[:, None])[:, 0]
@@ -43,7 +44,8 @@ def chain_rejection_on_device(draft: torch.Tensor, q: torch.Tensor, p: torch.Ten
 
 def siblings_on_device(kids: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor,
                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """verify_siblings for many sibling groups at once, every decision on the device. Group g's candidates are
+    """The sibling rule for deterministic candidates (tried in order, each accepted with its mass under what the
+    rejected ones left) for many sibling groups at once, every decision on the device. Group g's candidates are
     tokens[kids[g]] (kids [G, K], -1 pads a short group) against p [G, V]. Returns the accepted slot per group (-1 for
     none) and the token each group emits when none is accepted.
 
@@ -66,7 +68,7 @@ def siblings_on_device(kids: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor
 
 def tree_rejection_on_device(parents: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, depth: int,
                              generator: torch.Generator | None = None) -> torch.Tensor:
-    """verify_tree's sibling rule with every decision on the device: node i has token tokens[i] and parent
+    """A draft tree walked with the sibling rule, every decision on the device: node i has token tokens[i] and parent
     parents[i] (-1: the root; siblings are tried in index order), row 0 of p [N + 1, V] is the target's distribution
     at the root, row i + 1 the one after node i, and no node lies deeper than `depth`. Every row's sibling test is
     drawn at once (an unvisited row's draw is never used, so the walk's outcome keeps its distribution), then the

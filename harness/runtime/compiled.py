@@ -26,9 +26,6 @@ import torch
 
 from harness.runtime.errors import HarnessError, first_line
 
-MODES = ("off", "on", "auto")
-
-
 class LayerKV:
     """One attention layer's keys and values up to the call's end ([B, heads, kv_end, head dim] views of the
     runtime's buffer) and the slots this call writes: the cache a decoder layer is handed."""
@@ -49,7 +46,8 @@ def _layer_step(layer, h, attention_mask, position_ids, rope, kv: LayerKV):
 
 class CompiledStep:
     """The compiled layer call and what compiling cost: `seconds` spent in calls that compiled a graph, the
-    `graphs` they compiled (dynamo's cache is the process's: a graph another runtime compiled is reused). `auto` falls back to eager, saying why once, where `on` stops with a one-line error."""
+    `graphs` they compiled (dynamo's cache is the process's: a graph another runtime compiled is reused). `auto`
+    falls back to eager, saying why once, where `on` stops with a one-line error."""
 
     def __init__(self, mode: str):
         if mode not in ("on", "auto"):
