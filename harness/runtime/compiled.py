@@ -26,6 +26,7 @@ import torch
 
 from harness.runtime.errors import HarnessError, first_line
 
+
 class LayerKV:
     """One attention layer's keys and values up to the call's end ([B, heads, kv_end, head dim] views of the
     runtime's buffer) and the slots this call writes: the cache a decoder layer is handed."""
