@@ -164,8 +164,8 @@ dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16",
                             help="Default: float32 on CPU, bfloat16 on CUDA.")
 compile_option = click.option(
     "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
-    help="Run the target's attention layers through one torch.compile'd layer step (inductor; CUDA graphs on CUDA): "
-         "on stops with the reason where it cannot compile, auto falls back to eager saying why.")
+    help="Run the target's attention layers through one torch.compile'd layer step (inductor): on stops with the "
+         "reason where it cannot compile, auto falls back to eager saying why.")
 data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
 simulate_option = click.option(
     "--simulate", is_flag=True, help="Replay acceptance on the AR output from one teacher-forced pass instead of "
