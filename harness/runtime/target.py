@@ -84,6 +84,7 @@ class StateCache:
         self.kv_end = 0
         self._call = _LinearCall(0, -1, [], [])
         self._rows: list[_Row] | None = None  # the states the current linear-layer call continues
+        self._rows_layer: int | None = None  # the layer they were looked up for (None: not yet in this call)
         self._conv_in: torch.Tensor | None = None
         self._conv_out: torch.Tensor | None = None
 
@@ -110,7 +111,7 @@ class StateCache:
             torch._assert_async((slots < self.kv_end).all(), "a slot lies outside the mask's columns")
         if self.kv_end > self.max_len:
             raise ValueError(f"sequence length {self.kv_end} exceeds the cache's max_len {self.max_len}")
-        self._views = None
+        self._views, self._rows_layer = None, None
         if mask is None:
             if count == 1:
                 return None
@@ -151,20 +152,31 @@ class StateCache:
     # --- linear-attention layers ------------------------------------------------------------------------------
     def branch(self, position: int, parents: list[int], labels: list[int]) -> None:
         """The next linear-layer call is one tree level: tokens at `position`, row b continuing slot parents[b]."""
-        self._call = _LinearCall(position, position, parents, labels)
+        self._call, self._rows_layer = _LinearCall(position, position, parents, labels), None
 
     def get_conv_state(self, layer_idx, state_idx=0):
-        # HF's layer asks for the conv state, then the recurrent one: the rows are looked up once, here.
-        self._rows = self._continued(layer_idx)
-        self._conv_in = None if self._rows is None else _stack([r.conv for r in self._rows])
+        rows = self._rows_of(layer_idx)
+        self._conv_in = None if rows is None else _stack([r.conv for r in rows])
         return self._conv_in
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
-        return None if self._rows is None else _stack([r.recurrent for r in self._rows])
+        rows = self._rows_of(layer_idx)
+        return None if rows is None else _stack([r.recurrent for r in rows])
+
+    def _rows_of(self, layer_idx: int) -> list[_Row] | None:
+        """The states this layer's call continues, looked up once per layer and call: HF's layer asks for its conv
+        and its recurrent state in an order that differs between versions."""
+        if self._rows_layer != layer_idx:
+            self._rows, self._rows_layer = self._continued(layer_idx), layer_idx
+        return self._rows
 
     def is_recording_past(self, layer_idx):
         # Forces HF's functional conv path, so stored states are never modified in place.
         return True
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        # No intermediate states from a multi-token call: a call whose states matter runs one tree level a call.
+        return 0
 
     def update_conv_state(self, new, layer_idx, conv_kernel_size=None, **_):
         full = new if self._conv_in is None else torch.cat([self._conv_in, new], dim=-1)
