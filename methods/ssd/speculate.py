@@ -82,7 +82,7 @@ class Speculation:
         are read back at once."""
         chains: list[list[Node]] = [[] for _ in frontier]
         drawn = [] if tokens is None else [tokens]  # the frontier's tokens, then each step's drafts
-        levels = [frontier]  # the nodes each row of `drawn` fills in
+        levels = [] if tokens is None else [frontier]  # the nodes each row of `drawn` fills in
         for step in range(self.params.k):
             if step or frontier != [-1]:
                 states = head.draft_rows(nodes, frontier, base, drawn[-1] if drawn else None)
@@ -101,11 +101,10 @@ class Speculation:
             frontier = children
             levels.append(frontier)
         read = torch.stack(drawn).tolist() if drawn else []  # every token at once
-        levels = levels[len(levels) - len(read):]
         for level, row in zip(levels, read):
             for index, token in zip(level, row):
                 nodes[index].token = token
-        for step, row in enumerate(read[len(read) - self.params.k:] if self.params.k else []):
+        for step, row in enumerate(read[len(read) - self.params.k:]):  # the chains: the last k rows
             for chain, token in zip(chains, row):
                 chain[step].token = token
         return chains, (read[0] if tokens is not None else [])
