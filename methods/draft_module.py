@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from harness.runtime.target import TargetRuntime
+from harness.runtime.target import StateCache, TargetRuntime, call_layer
 
 
 def module_layer_config(target_config, count: int, attention: str | None = None):
@@ -66,6 +66,13 @@ class DraftModule(nn.Module):
         self.vocab_size = target.config.vocab_size
         # Shared with the target and never trained (a tuple keeps them out of this module's parameters).
         self._frozen = (target.backbone.norm, target.backbone.rotary_emb, target.backbone.embed_tokens)
+        self._step = target.compiled  # decoding runs the layers as the target's do (compiled or eager)
+
+    def state_cache(self, max_len: int) -> StateCache:
+        """A KV cache over `max_len` slots for decoding with this module's layers (at least one: a layout with a
+        layer of its own uses slot 0), whose calls run as the target's layers do."""
+        return StateCache(["full_attention"] * max(1, len(self.layers)), max_len, rewind_window=0,
+                          device=next(self.parameters()).device, step=self._step)
 
     def start_as_identity(self) -> DraftModule:
         """Zero every layer's residual-branch output (attention o_proj, MLP down_proj): training then starts from
@@ -94,8 +101,9 @@ class DraftModule(nn.Module):
         """The decoder layers (the first `layers` of them, None: all) over rows x [B, R, D] at `positions` [R];
         `mask` [B, 1, R, K] bool (None: one row)."""
         rope = self.rope(x, positions)
-        for layer in self.layers[:layers]:
-            x = layer(x, attention_mask=mask, position_ids=positions[None], position_embeddings=rope, cache=cache)
+        for i, layer in enumerate(self.layers[:layers]):
+            x = call_layer(layer, i, cache, x, attention_mask=mask, position_ids=positions[None],
+                           position_embeddings=rope)
         return x
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,21 @@ PROMPTS = [list(range(10, 30)), [3, 4, 5, 6] * 5]
 MODEL = tiny_model("llama")
 
 
-def _built(name: str, target: TargetRuntime, seed: int = 0):
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("draft")
+    tiny_model("llama", num_layers=4, seed=1).save_pretrained(folder)
+    return str(folder)
+
+
+def _built(name: str, target: TargetRuntime, seed: int = 0, draft: str | None = None):
     """Each method on `target`; drafters made from `seed`, so an eager and a compiled runtime get equal ones."""
     torch.manual_seed(seed)
     if name == "eagle3":
         return EAGLE3(target, EagleParams(m=3, width=1, ttt=3), set(), head=_head(target))
+    if name == "eagle3-layout":  # the EAGLE-3 authors' layer (published heads)
+        head = EagleHead(EagleConfig(ttt=3, num_layers=6, layout="eagle3"), target).eval()
+        return EAGLE3(target, EagleParams(m=3, width=1, ttt=3, layout="eagle3"), set(), head=head)
     if name == "eagle3-tree":
         return EAGLE3(target, EagleParams(m=3, width=4, ttt=3), set(), head=_head(target))
     if name in ("spd", "ppsd"):
@@ -41,6 +51,8 @@ def _built(name: str, target: TargetRuntime, seed: int = 0):
         return cls(target, cls.Params(n=3, ls=1), set(), speculator=speculator)
     if name == "ssd":
         return SSD(target, SSDParams(ttt=3), set(), head=_head(target))
+    if name == "ssd-model":  # a standalone draft model, run on the target's engine
+        return SSD(target, SSDParams(draft_model=draft), set())
     return build_method(name, target, {}, set())
 
 
@@ -52,13 +64,24 @@ def _outputs(method) -> list[list[int]]:
     return [method.generate(ids, 16, Sampler(SamplingConfig())).output_ids for ids in PROMPTS]
 
 
-@pytest.mark.parametrize("name", ["autoregressive", "lookup", "eagle3", "eagle3-tree", "spd", "ppsd", "ssd"])
-def test_every_method_decodes_the_same_tokens_compiled_as_eager(name):
-    eager = _outputs(_built(name, TargetRuntime(MODEL, max_len=256)))
+DRAFTED = {"eagle3", "eagle3-layout", "eagle3-tree", "spd", "ppsd", "ssd", "ssd-model"}  # methods whose drafters' layers decode
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "lookup", "eagle3", "eagle3-layout", "eagle3-tree", "spd", "ppsd", "ssd",
+                                  "ssd-model"])
+def test_every_method_decodes_the_same_tokens_compiled_as_eager(name, monkeypatch, draft_dir):
+    eager = _outputs(_built(name, TargetRuntime(MODEL, max_len=256), draft=draft_dir))
+    compiled = []  # the layers each compiled call ran
+    original = CompiledStep.__call__
+    monkeypatch.setattr(CompiledStep, "__call__", lambda self, layer, *args, **kwargs: (
+        compiled.append(layer), original(self, layer, *args, **kwargs))[1])
     target = TargetRuntime(MODEL, max_len=256, compile="on")
-    assert _outputs(_built(name, target)) == eager
+    assert _outputs(_built(name, target, draft=draft_dir)) == eager
     assert target.engine()["compile"]["engine"] == "inductor"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    own = {id(layer) for layer in target.layers}
+    drafter_calls = [layer for layer in compiled if id(layer) not in own]
+    assert bool(drafter_calls) == (name in DRAFTED), name  # the drafter's layers compile as well
 
 
 def test_a_warm_step_never_recompiles():
@@ -73,7 +96,7 @@ def test_a_warm_step_never_recompiles():
 
 
 def _failing(monkeypatch):
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("no compiler here\nsecond line")
 
     original = CompiledStep.__init__
@@ -110,3 +133,4 @@ def test_run_records_the_compiled_engine_and_sweep_plans_pass_it_on(tiny_dir, ev
     plan = CliRunner().invoke(main, ["sweep", "--method", "autoregressive", "--model", str(tiny_dir), "--dataset",
                                      "gsm8k", "--compile", "auto", "--plan"])
     assert plan.exit_code == 0 and "--compile auto" in plan.output, plan.output
+

@@ -68,8 +68,10 @@ class StateCache:
     the newest are dropped; a sibling level's rows are copied apart so a pruned sibling frees its memory.
     """
 
-    def __init__(self, layer_types: list[str], max_len: int, rewind_window: int, device: torch.device | str = "cpu"):
+    def __init__(self, layer_types: list[str], max_len: int, rewind_window: int, device: torch.device | str = "cpu",
+                 step: CompiledStep | None = None):
         self.layer_types = layer_types
+        self.step = step  # the compiled layer step attention layers run through (None: eager)
         self.device = torch.device(device)
         self.max_len = max_len
         # Every attention layer's keys and values in one buffer [2 * layers, B, heads, max_len, head dim] (layer i's
@@ -122,6 +124,13 @@ class StateCache:
         return mask.to(torch.bool)[None, None]
 
     # --- attention layers -------------------------------------------------------------------------------------
+    def call(self, layer, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        """Attention layer `layer_idx`'s `layer(*args, cache=..., **kwargs)`: through the compiled step when there
+        is one and the buffer exists (the first call shapes it, eagerly), else eagerly with this cache."""
+        if self.step is None or self.kv is None:
+            return layer(*args, cache=self, **kwargs)
+        return self.step(layer, *args, cache=self.layer(layer_idx), **kwargs)
+
     def update(self, key, value, layer_idx, **_):
         if self.kv is None:  # shaped and typed after the first keys
             self.kv = key.new_zeros((2 * len(self.pair), key.shape[0], key.shape[1], self.max_len, key.shape[3]))
@@ -261,6 +270,14 @@ def _levels(positions: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor)
     return levels
 
 
+def call_layer(layer, layer_idx: int, cache, *args, **kwargs) -> torch.Tensor:
+    """`layer(*args, cache=cache, **kwargs)` for attention layer `layer_idx` of any cache: a StateCache runs it as its
+    engine does (compiled or eager); another cache (training's, or None) eagerly."""
+    if isinstance(cache, StateCache):
+        return cache.call(layer, layer_idx, *args, **kwargs)
+    return layer(*args, cache=cache, **kwargs)
+
+
 def _stack(states: list[torch.Tensor]) -> torch.Tensor:
     return states[0] if len(states) == 1 else torch.cat(states)
 
@@ -269,7 +286,7 @@ class TargetRuntime:
     """Layer-range execution of one sequence (batch 1) on a frozen HF causal LM."""
 
     def __init__(self, model: torch.nn.Module, max_len: int = 4096, rewind_window: int = 32, identity=None,
-                 compile: str = "off"):
+                 compile: str | CompiledStep = "off"):
         self.model = model
         self.identity = identity  # ModelIdentity of the weights, for drafter checkpoints to match against
         self.config = model.config.get_text_config()
@@ -285,8 +302,10 @@ class TargetRuntime:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.linears = pack_linears(model) if self.device.type == "cpu" else "default"
-        self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device)
-        self.compiled = None if compile == "off" else CompiledStep(compile)
+        # `compile`: a mode, or the step of the runtime this one drafts for (their graphs are shared)
+        self.compiled = compile if isinstance(compile, CompiledStep) else \
+            None if compile == "off" else CompiledStep(compile)
+        self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device, self.compiled)
         self._costs: dict[int, list[float]] = {}
 
     def engine(self) -> dict:
@@ -298,8 +317,12 @@ class TargetRuntime:
     def has_linear_layers(self) -> bool:
         return "linear_attention" in self.layer_types
 
+    def alike(self, model: torch.nn.Module, identity=None) -> TargetRuntime:
+        """A runtime for another model (a draft model) run as this one is: its length and compiled step."""
+        return TargetRuntime(model, max_len=self.max_len, identity=identity, compile=self.compiled or "off")
+
     def reset(self) -> None:
-        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window, self.device)
+        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window, self.device, self.compiled)
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
@@ -348,16 +371,12 @@ class TargetRuntime:
         for i in range(lo, hi):
             if self.layer_types[i] == "linear_attention" and levels:
                 h = self._branch_levels(i, h, levels)
-            elif self.compiled is not None and self.layer_types[i] == "full_attention" and self.cache.kv is not None:
-                h = self.compiled(self.layers[i], h, attn_mask, position_ids, rope, self.cache.layer(i))
+            elif self.layer_types[i] == "full_attention":
+                h = self.cache.call(self.layers[i], i, h, attention_mask=attn_mask, position_ids=position_ids,
+                                    position_embeddings=rope)
             else:
-                h = self.layers[i](
-                    h,
-                    attention_mask=attn_mask if self.layer_types[i] == "full_attention" else None,
-                    position_ids=position_ids,
-                    position_embeddings=rope,
-                    cache=self.cache,
-                )
+                h = self.layers[i](h, attention_mask=None, position_ids=position_ids, position_embeddings=rope,
+                                   cache=self.cache)
             if i + 1 in capture:
                 captured[i + 1] = h
         return h, captured

@@ -16,7 +16,7 @@ from torch import nn
 
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
-from harness.runtime.target import StateCache, TargetRuntime
+from harness.runtime.target import TargetRuntime, call_layer
 from methods.draft_module import DraftModule
 from methods.rounds import Node, tree_mask
 
@@ -93,7 +93,7 @@ class EagleHead(DraftModule):
         """Head rows [B, R, D] (embedding, feature) at `positions`; returns their output states (pre-norm)."""
         embeddings = token_embeddings.to(feature.dtype)  # the embedding table is the target's
         if self.config.layout == "eagle3":
-            return self.midlayer(embeddings, feature, self.rope(feature, positions), mask, cache)
+            return call_layer(self.midlayer, 0, cache, embeddings, feature, self.rope(feature, positions), mask)
         return self.decode(self.combine(torch.cat([embeddings, feature], dim=-1)), positions, mask, cache)
 
 
@@ -249,7 +249,7 @@ class HeadSession:
     def __init__(self, head: EagleHead, max_len: int):
         self.head = head
         self.device = head.head.weight.device
-        self.cache = StateCache(["full_attention"], max_len, rewind_window=0, device=self.device)
+        self.cache = head.state_cache(max_len)
         self.root: torch.Tensor | None = None  # output state of the newest target-feature row
 
     @classmethod

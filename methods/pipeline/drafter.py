@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from harness.runtime.target import StateCache
 from methods.pipeline.speculator import Speculator
 from methods.pipeline.tree import Level, Token, is_chain, tree_mask
 
@@ -15,8 +14,7 @@ class Drafter:
 
     def __init__(self, speculator: Speculator, max_len: int):
         self.speculator = speculator
-        self.cache = StateCache(["full_attention"] * speculator.config.ls, max_len, rewind_window=0,
-                                device=next(speculator.parameters()).device)
+        self.cache = speculator.state_cache(max_len)
         self.final = 0  # rows below this position are final (depth n) in the cache
 
     def logits(self, finished: list[Token], levels: list[Level]) -> torch.Tensor:

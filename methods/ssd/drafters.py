@@ -50,7 +50,7 @@ class ModelDrafter:
         from harness.runtime.models import load_model
 
         loaded = load_model(spec, str(target.device), str(target.dtype).removeprefix("torch."), tokenizer=False)
-        runtime = TargetRuntime(loaded.model, max_len=target.max_len, identity=loaded.identity)
+        runtime = target.alike(loaded.model, identity=loaded.identity)
         if runtime.config.vocab_size != target.config.vocab_size:
             raise HarnessError(f"draft model {spec} has {runtime.config.vocab_size} token ids, the target "
                                f"{target.config.vocab_size}; pass a --draft-model with the target's tokenizer")
