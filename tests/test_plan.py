@@ -130,4 +130,4 @@ def test_a_filesystem_without_locks_writes_with_a_warning(tmp_path, monkeypatch)
     store = ResultStore(tmp_path / "r.jsonl")
     with pytest.warns(UserWarning, match="does not lock files"), store.writing():
         store.append({"config_key": "k", "dataset": "d", "question_id": 1})
-    assert store.finished() == {("k", "d", "1")}
+    assert store.finished() == {("k", "d", "1", 1)}

@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import methods  # noqa: F401  (fills the registry)
-from harness.bench.data import Sample, load_samples
+from harness.bench.data import TURNS, Sample, load_samples
 from harness.runtime import checkpoints
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
@@ -45,6 +45,7 @@ class RunConfig:
     timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
     join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
     compile: str = "off"  # the target's layer step: eager (off), compiled (on), compiled or eager saying why (auto)
+    turns: str = "first"  # the first user turn of each question (the paper's), or every turn as a conversation
 
     @property
     def stage_devices(self) -> list[str]:
@@ -85,6 +86,8 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"--limit must be a positive integer, got {config.limit}")
     if config.max_new_tokens < 1:
         raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
+    if config.turns not in TURNS:
+        raise HarnessError(f"--turns must be one of {', '.join(TURNS)}, got {config.turns!r}")
     validate_executor(config, cls)
 
 

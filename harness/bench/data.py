@@ -14,6 +14,8 @@ from pathlib import Path
 from harness.runtime.errors import HarnessError
 
 DATASETS = ("mt_bench", "gsm8k", "humaneval")
+MULTI_TURN = ("mt_bench",)  # the sets whose questions are conversations (--turns all runs every user turn)
+TURNS = ("first", "all")  # the protocols: the first user turn (the paper's), or every turn as a conversation
 DATA_ENV = "SPD_BENCH_DATA"
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "eval"  # the paper's 80-prompt sets (data/eval/README.md)
 HUMANEVAL_PREFIX = "Complete the code I provided.\n\n"  # the paper's HumanEval prompts start this way
@@ -26,6 +28,11 @@ class Sample:
     category: str
     prompt: str  # the first user turn
     source: dict = field(default_factory=dict, compare=False)  # where the set came from and its sha256 (records)
+    follow_ups: tuple[str, ...] = ()  # the user turns after the first (MT-Bench's second)
+
+    def turns(self, protocol: str) -> list[str]:
+        """The user turns a run under `protocol` (TURNS) decodes, in order."""
+        return [self.prompt, *self.follow_ups] if protocol == "all" else [self.prompt]
 
 
 def _with_source(samples: list[Sample], origin: str) -> list[Sample]:
@@ -51,7 +58,8 @@ def _read_eagle_jsonl(name: str, path: Path) -> list[Sample]:
                 turns = row["turns"]
                 if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                     raise TypeError
-                samples.append(Sample(name, row["question_id"], row.get("category", name), turns[0]))
+                samples.append(Sample(name, row["question_id"], row.get("category", name), turns[0],
+                                      follow_ups=tuple(turns[1:])))
             except (json.JSONDecodeError, KeyError, IndexError, TypeError):
                 raise HarnessError(
                     f"{path}:{number}: malformed dataset line; each line must be JSON with "
@@ -116,7 +124,8 @@ def _from_hub(name: str) -> list[Sample] | None:
             return _with_source([_humaneval_sample(r) for r in rows], "hub openai/openai_humaneval")
         if name == "mt_bench":
             rows = datasets.load_dataset("HuggingFaceH4/mt_bench_prompts", split="train")
-            return _with_source([Sample(name, r["prompt_id"], r["category"], r["prompt"][0]) for r in rows],
+            return _with_source([Sample(name, r["prompt_id"], r["category"], r["prompt"][0],
+                                        follow_ups=tuple(r["prompt"][1:])) for r in rows],
                                 "hub HuggingFaceH4/mt_bench_prompts")
     except Exception:  # offline, missing package, or hub error: the caller reports every source tried
         return None
@@ -153,7 +162,19 @@ def load_samples(name: str, folder: str | Path | None = None, limit: int | None 
 
 def render_prompt(tokenizer, text: str) -> list[int]:
     """One user message through the chat template with the generation prompt (thinking off where supported)."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, enable_thinking=False
-    )
+    return render_conversation(tokenizer, [text], [])
+
+
+def render_conversation(tokenizer, turns: list[str], answers: list[str]) -> list[int]:
+    """User `turns` with the assistant's `answers` between them (one fewer: the last turn is the one to answer)
+    through the chat template with the generation prompt, as FastChat and Spec-Bench render a later turn."""
+    if len(answers) != len(turns) - 1:
+        raise ValueError(f"{len(turns)} user turns need {len(turns) - 1} answers between them, got {len(answers)}")
+    messages = []
+    for turn, answer in zip(turns, [*answers, None]):
+        messages.append({"role": "user", "content": turn})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]

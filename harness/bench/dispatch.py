@@ -228,7 +228,7 @@ def bench_dispatch(configurations: list[str], model: str, dataset: str, prompts:
                 raise HarnessError(f"{label}: no drafter for {model}; train it with: {command}")
             tqdm.write(f"note: {label} left out: no drafter for {model} (train it with: {command})")
             continue
-        method = Runner(config, loaded).load_method(config.method, config.params, prompt_ids)
+        method = Runner(config, loaded).load_method(config.method, config.params, max(map(len, prompt_ids)))
 
         def generate(ids, method=method):
             made = method.generate(ids, max_new_tokens, greedy)

@@ -37,8 +37,8 @@ def check(config: RunConfig, root: Path = Path("results")) -> ParityCheck:
     loaded = load_model(config.model, config.device, config.dtype)
     runner = Runner(config, loaded)
     prompts = [render_prompt(loaded.tokenizer, s.prompt) for s in samples]
-    method = runner.load_method(config.method, config.params, prompts)
-    reference = runner.load_method(REFERENCE_METHOD, {}, prompts)
+    method = runner.load_method(config.method, config.params, max(map(len, prompts)))
+    reference = runner.load_method(REFERENCE_METHOD, {}, max(map(len, prompts)))
     found = []
     for prompt in tqdm(prompts, desc=f"parity {config.method}", unit="prompt", dynamic_ncols=True):
         with torch.inference_mode():

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from harness.bench.config import RunConfig, drafter_fingerprint, load_prompts, validate
-from harness.bench.runner import run_key
+from harness.bench.runner import run_key, sample_keys
 from harness.bench.sweep import GridPoint, recorded_samples
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_identity, model_name
@@ -53,7 +53,8 @@ class WorkItem:
                        datasets=(self.dataset,) if self.dataset else base.datasets, out=self.out(base, root))
 
     def out(self, base: RunConfig, root: Path) -> Path:
-        return root / model_name(base.model).replace("/", "--") / self.point.method / f"{self.name}.jsonl"
+        turns = "" if base.turns == "first" else f"-turns-{base.turns}"
+        return root / model_name(base.model).replace("/", "--") / self.point.method / f"{self.name}{turns}.jsonl"
 
     def command(self, base: RunConfig, root: Path) -> str:
         """The `spd-bench run` command line that does this item alone (the base options spelled out)."""
@@ -66,6 +67,7 @@ class WorkItem:
         words += ["--data-dir", c.data_dir] if c.data_dir else []
         words += ["--simulate"] if c.simulate else []
         words += ["--compile", c.compile] if c.compile != "off" else []
+        words += ["--turns", c.turns] if c.turns != "first" else []
         return shlex.join([*words, "--out", str(c.out)])
 
 
@@ -121,7 +123,7 @@ def incomplete(items: list[WorkItem], base: RunConfig, root: Path) -> list[WorkI
         config = item.config(base, root)
         validate(config)
         key = run_key(config, identity, torch.device(base.device).type, drafter_fingerprint(config, identity))
-        if any((key, s.dataset, str(s.question_id)) not in recorded for s in samples
-               if item.dataset in (None, s.dataset)):
+        if any(k not in recorded for s in samples if item.dataset in (None, s.dataset)
+               for k in sample_keys(key, s, base.turns)):
             found.append(item)
     return found

@@ -22,29 +22,39 @@ from harness.bench.config import (
     load_prompts,
     validate,
 )
-from harness.bench.data import Sample, render_prompt
+from harness.bench.data import MULTI_TURN, Sample, render_conversation
 from harness.runtime import distributed as launch
 from harness.runtime.conditions import Measuring, busy_warning, fit_threads
 from harness.runtime.errors import HarnessError
 from harness.runtime.lossless import ReferenceCache, compare, not_checked
 from harness.runtime.models import LoadedModel, ModelIdentity, load_model, stop_ids
 from harness.runtime.provenance import versions
-from harness.runtime.results import Record, ResultStore, config_key
+from harness.runtime.results import Record, ResultStore, SampleKey, config_key, row_key, sample_key
 from harness.runtime.target import TargetRuntime
 from methods.base import Method, build_method, check_fit
 from methods.sampling import Sampler, SamplingConfig
 
 
-def sample_seed(seed: int, sample: Sample) -> int:
-    """Per-sample seed, so a resumed run draws exactly what an uninterrupted one would have."""
-    text = f"{seed}/{sample.dataset}/{sample.question_id}"
+# Room in the cache for an earlier answer's text tokenized anew in the next turn's prompt, beyond its own tokens.
+RETOKENIZED = 32
+
+
+def sample_seed(seed: int, sample: Sample, turn: int = 1) -> int:
+    """Per-sample (and per-turn) seed, so a resumed run draws exactly what an uninterrupted one would have."""
+    text = f"{seed}/{sample.dataset}/{sample.question_id}" + (f"/turn{turn}" if turn > 1 else "")
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def sample_keys(key: str, sample: Sample, turns: str) -> list[SampleKey]:
+    """The records a sample gets under a configuration `key` run with the `turns` protocol: one per turn."""
+    return [sample_key(key, sample.dataset, sample.question_id, turn)
+            for turn in range(1, len(sample.turns(turns)) + 1)]
 
 
 def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafter: str | None) -> str:
     """The configuration key of a run's records: everything that defines it (method, parameters, model weights,
     sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights:
-    `drafter_fingerprint`, and a compiled step)."""
+    `drafter_fingerprint`, a compiled step, and the turns protocol when every turn runs)."""
     return config_key({
         "method": config.method,
         "params": config.params,
@@ -59,6 +69,7 @@ def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafte
                          "devices": config.stage_devices}} if config.executor == "distributed" else {}),
         **({"drafter": drafter} if drafter else {}),
         **({"compile": config.compile} if config.compile != "off" else {}),
+        **({"turns": config.turns} if config.turns != "first" else {}),
     })
 
 
@@ -75,9 +86,9 @@ class Runner:
         self.references = ReferenceCache(loaded, config.dtype_name, self.stop_ids)
         self.target: TargetRuntime | None = None
 
-    def load_method(self, name: str, params: dict, prompts: list[list[int]]) -> Method:
+    def load_method(self, name: str, params: dict, longest: int) -> Method:
+        """The method on this run's target, built on first use with room for `longest` prompt tokens."""
         if self.target is None:
-            longest = max(len(p) for p in prompts)
             context = getattr(self.loaded.model.config.get_text_config(), "max_position_embeddings", None)
             if context and longest + self.config.max_new_tokens > context:
                 raise HarnessError(f"a prompt of {longest} tokens plus --max-new-tokens {self.config.max_new_tokens} "
@@ -89,9 +100,19 @@ class Runner:
         return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
 
     def todo(self, samples: list[Sample], store: ResultStore) -> list[Sample]:
-        """Samples of this configuration not yet in the store (a resumed run skips the rest)."""
+        """Samples of this configuration with a turn not yet in the store (a resumed run skips the rest)."""
         finished = store.finished()
-        return [s for s in samples if (self.key, s.dataset, str(s.question_id)) not in finished]
+        return [s for s in samples if any(k not in finished for k in sample_keys(self.key, s, self.config.turns))]
+
+    def longest_prompt(self, samples: list[Sample]) -> int:
+        """The most prompt tokens a turn of these samples can reach: its turns rendered with empty answers, plus each
+        earlier answer at its longest (and room to tokenize its text anew)."""
+        longest = 0
+        for sample in samples:
+            turns = sample.turns(self.config.turns)
+            empty = render_conversation(self.loaded.tokenizer, turns, [""] * (len(turns) - 1))
+            longest = max(longest, len(empty) + (len(turns) - 1) * (self.config.max_new_tokens + RETOKENIZED))
+        return longest
 
     def run(self, samples: list[Sample], store: ResultStore, bar: tqdm | None = None) -> int:
         """Run every unfinished sample, holding the results file for the whole run (a concurrent run on it is refused);
@@ -102,23 +123,34 @@ class Runner:
                 tqdm.write(self._reused_note(samples, todo, store), file=sys.stderr)
             if not todo:
                 return 0
-            prompts = [render_prompt(self.loaded.tokenizer, s.prompt) for s in todo]
-            method = self.load_method(self.config.method, self.config.params, prompts)
-            reference = self.load_method(REFERENCE_METHOD, {}, prompts)
+            longest = self.longest_prompt(todo)
+            method = self.load_method(self.config.method, self.config.params, longest)
+            reference = self.load_method(REFERENCE_METHOD, {}, longest)
+            notes = [self._single_turn_note(todo)]
             if not self.config.simulate:
-                for line in (busy_warning(), fit_threads()):
-                    if line:
-                        tqdm.write(line, file=sys.stderr)
+                notes += [busy_warning(), fit_threads()]
+            for line in filter(None, notes):
+                tqdm.write(line, file=sys.stderr)
             with self._executor(method), torch.inference_mode():
                 if not self.config.simulate:
+                    first = render_conversation(self.loaded.tokenizer, [todo[0].prompt], [])
                     for warm in (method, reference):  # one-off allocation costs stay out of the timings
-                        warm.generate(prompts[0], min(8, self.config.max_new_tokens), self._sampler(0))
-                self._loop(todo, prompts, method, reference, store, bar)
+                        warm.generate(first, min(8, self.config.max_new_tokens), self._sampler(0))
+                self._loop(todo, method, reference, store, bar)
             return len(todo)
+
+    def _single_turn_note(self, todo: list[Sample]) -> str | None:
+        """Under --turns all, the conversations of a multi-turn set that have one user turn (said once)."""
+        single = [s for s in todo if self.config.turns == "all" and s.dataset in MULTI_TURN and not s.follow_ups]
+        if not single:
+            return None
+        origins = ", ".join(sorted({s.source.get("origin", s.dataset) for s in single}))
+        return (f"--turns all: {len(single)} {'/'.join(sorted({s.dataset for s in single}))} question(s) in "
+                f"{origins} have one user turn; they run that turn only")
 
     def _reused_note(self, samples: list[Sample], todo: list[Sample], store: ResultStore) -> str:
         """Which samples this run keeps from earlier records instead of measuring them, and from which code."""
-        wanted = {(s.dataset, str(s.question_id)) for s in samples} - {(s.dataset, str(s.question_id)) for s in todo}
+        wanted = {(s.dataset, str(s.question_id)) for s in samples if s not in todo}
         kept = [r for r in store.load()
                 if r["config_key"] == self.key and (r["dataset"], str(r["question_id"])) in wanted]
         commits = sorted({(r.get("versions") or {}).get("commit") or "unknown" for r in kept})
@@ -139,39 +171,59 @@ class Runner:
             yield
             executor.close()  # only after a clean run: a failed rank cannot be asked to stop
 
-    def _loop(self, todo, prompts, method, reference, store, bar) -> None:
+    def _loop(self, todo, method, reference, store, bar) -> None:
         desc = f"{self.config.method}{' (simulated)' if self.config.simulate else ''}"
         own_bar = bar is None
         if own_bar:
             bar = tqdm(total=len(todo), desc=desc, unit="sample", dynamic_ncols=True)
         try:
-            self._decode_all(todo, prompts, method, reference, store, bar)
+            self._decode_all(todo, method, reference, store, bar)
         finally:
             if own_bar:
                 bar.close()  # ends the bar's line, so an error message starts a line of its own
 
-    def _decode_all(self, todo, prompts, method, reference, store, bar) -> None:
-        tokens, seconds = 0, 0.0
+    def _decode_all(self, todo, method, reference, store, bar) -> None:
+        """Each sample's turns in order, a record each; a later turn's prompt is the conversation so far, the
+        method's own answers included (an answer recorded before a resume is read back from its record)."""
+        tokens, seconds, pairs = 0, 0.0, 0
         measuring = Measuring(self.loaded.device.type)
-        for index, (sample, prompt) in enumerate(zip(todo, prompts)):
-            if self.config.simulate:
-                generation, baseline = self._simulate(method, reference, prompt, sample), None
-                lossless, conditions = not_checked("simulated: acceptance replayed on the AR output"), {}
-            else:
-                measuring.start()
-                generation, baseline = self._generate_pair(method, reference, prompt, sample, index % 2 == 0)
-                conditions = {**measuring.end().to_dict(), **self.target.engine()}  # the kernels timed
-                lossless = self._check(prompt, generation.output_ids, reference, baseline)
-            store.append(self._record(sample, prompt, generation, lossless, baseline, conditions))
-            tokens += len(generation.output_ids)
-            seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
-            bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—", lossless=_flag(lossless))
+        recorded = {row_key(r): r for r in store.load()} if self.config.turns == "all" else {}
+        tokenizer = self.loaded.tokenizer
+        for sample in todo:
+            turns, answers, lossless = sample.turns(self.config.turns), [], None
+            for turn in range(1, len(turns) + 1):
+                prompt = render_conversation(tokenizer, turns[:turn], answers)
+                earlier = recorded.get(sample_key(self.key, sample.dataset, sample.question_id, turn))
+                if earlier is not None:
+                    output = earlier["output_ids"]
+                else:
+                    generation, lossless = self._decode_turn(method, reference, prompt, sample, turn, measuring,
+                                                             pairs % 2 == 0, store)
+                    output, pairs = generation.output_ids, pairs + 1
+                    tokens += len(output)
+                    seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
+                answers.append(tokenizer.decode(output, skip_special_tokens=True))
+            bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—",
+                            lossless=_flag(lossless) if lossless else "—")
             bar.update()
 
-    def _simulate(self, method, reference, prompt, sample):
+    def _decode_turn(self, method, reference, prompt, sample, turn, measuring, method_first, store):
+        """One turn decoded (or replayed), checked and recorded; returns its generation and lossless verdict."""
+        seed = sample_seed(self.config.seed, sample, turn)
+        if self.config.simulate:
+            generation, baseline = self._simulate(method, reference, prompt, seed), None
+            lossless, conditions = not_checked("simulated: acceptance replayed on the AR output"), {}
+        else:
+            measuring.start()
+            generation, baseline = self._generate_pair(method, reference, prompt, seed, method_first)
+            conditions = {**measuring.end().to_dict(), **self.target.engine()}  # the kernels timed
+            lossless = self._check(prompt, generation.output_ids, reference, baseline)
+        store.append(self._record(sample, turn, prompt, generation, lossless, baseline, conditions))
+        return generation, lossless
+
+    def _simulate(self, method, reference, prompt, seed: int):
         """The method's acceptance replayed on the AR output for this prompt and seed (both cached, so the
         configurations of a sweep replay on one trajectory per prompt without decoding it again)."""
-        seed = sample_seed(self.config.seed, sample)
         if self.sampling.greedy:
             trajectory = self.greedy_reference(prompt, reference)
         else:
@@ -196,9 +248,8 @@ class Runner:
             self.references.put(prompt, self.config.max_new_tokens, expected)
         return expected
 
-    def _generate_pair(self, method, reference, prompt, sample, method_first: bool):
+    def _generate_pair(self, method, reference, prompt, seed: int, method_first: bool):
         """The method and, unless it is AR itself, AR on the same prompt and seed, in alternating order."""
-        seed = sample_seed(self.config.seed, sample)
 
         def run(m: Method):
             return m.generate(prompt, self.config.max_new_tokens, self._sampler(seed))
@@ -224,7 +275,7 @@ class Runner:
             self.references.put(prompt, self.config.max_new_tokens, own)
         return compare(self.target, prompt, output, self.greedy_reference(prompt, reference_method))
 
-    def _record(self, sample: Sample, prompt: list[int], generation, lossless: dict, baseline,
+    def _record(self, sample: Sample, turn: int, prompt: list[int], generation, lossless: dict, baseline,
                 conditions: dict) -> Record:
         c = self.config
         return Record(
@@ -240,7 +291,7 @@ class Runner:
             seed=c.seed,
             dtype=c.dtype_name,
             device=self.loaded.device.type,
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(prompt),  # a later turn's: the conversation before it included
             output_ids=generation.output_ids,
             output_text=self.loaded.tokenizer.decode(generation.output_ids, skip_special_tokens=False),
             new_tokens=len(generation.output_ids),
@@ -256,6 +307,8 @@ class Runner:
                    "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
             prompt_source=sample.source,
             conditions=conditions,
+            turn=turn,
+            turns=c.turns,
             baseline=None if baseline is None else {
                 "method": REFERENCE_METHOD,
                 "new_tokens": len(baseline.output_ids),

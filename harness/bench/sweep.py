@@ -11,11 +11,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from harness.bench.config import RunConfig, default_out, drafter_folder, load_prompts, validate
-from harness.bench.runner import Runner
+from harness.bench.runner import Runner, sample_keys
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
-from harness.runtime.results import ResultStore, load_all
+from harness.runtime.results import ResultStore, SampleKey, load_all, row_key
 from methods.base import REGISTRY, check_fit, offers, parse_params
 from methods.sampling import NO_TRUNCATION
 
@@ -135,7 +135,7 @@ def sweep(jobs: dict[str, RunConfig], base: RunConfig, results: Path | None) -> 
         runner = Runner(config, loaded)
         own = store.finished()  # recorded in its own file: the run resumes them (and says so)
         samples = [s for s in prompts[config.datasets]
-                   if (key := (runner.key, s.dataset, str(s.question_id))) not in recorded or key in own]
+                   if any(k not in recorded or k in own for k in sample_keys(runner.key, s, config.turns))]
         runners[label] = (runner, store, samples)
     todo = {label: runner.todo(samples, store) for label, (runner, store, samples) in runners.items()}
     outcome = SweepOutcome({}, skipped, {store.path for _, store, _ in runners.values()})
@@ -151,8 +151,8 @@ def sweep(jobs: dict[str, RunConfig], base: RunConfig, results: Path | None) -> 
     return outcome
 
 
-def recorded_samples(root: Path) -> set[tuple[str, str, str]]:
+def recorded_samples(root: Path) -> set[SampleKey]:
     """Every sample recorded under the results root, in any file (another shard's, a one-process sweep's)."""
     if not root.exists():
         return set()
-    return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in load_all(root).rows}
+    return {row_key(r) for r in load_all(root).rows}

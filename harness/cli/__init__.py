@@ -165,7 +165,12 @@ dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16",
 compile_option = click.option(
     "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
     help="Run the target's attention layers through one torch.compile'd layer step (inductor): on stops with the "
-         "reason where it cannot compile, auto falls back to eager saying why.")
+         "reason where it cannot compile, and auto falls back to eager saying why. Drafters' layers run the "
+         "same way.")
+turns_option = click.option(
+    "--turns", type=click.Choice(["first", "all"]), default="first", show_default=True,
+    help="MT-Bench: decode each question's first user turn (the paper's protocol), or all its turns as one "
+         "conversation (Spec-Bench's and EAGLE's), a record per turn; other sets have one turn.")
 data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
 simulate_option = click.option(
     "--simulate", is_flag=True, help="Replay acceptance on the AR output from one teacher-forced pass instead of "

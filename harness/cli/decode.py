@@ -8,7 +8,7 @@ import click
 
 from harness.bench.parity import parity_methods
 from harness.cli import (_method_options, _params, _values, compile_option, list_values, main, param_options,
-                         prompt_options)
+                         prompt_options, turns_option)
 from harness.reporting.paper import FLAGSHIP, GRID
 from methods.base import REGISTRY
 
@@ -26,6 +26,7 @@ def _served() -> str:
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @prompt_options
+@turns_option
 @compile_option
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Results file (default results/<model>/<method>.jsonl).")
@@ -45,7 +46,7 @@ def _served() -> str:
                    "they serve (a spawned rank that exits meanwhile ends the wait at once).")
 @click.pass_context
 def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device,
-        dtype, data_dir, compile_mode, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
+        dtype, data_dir, turns, compile_mode, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
         join_timeout, **named):
     """Decode benchmark prompts, check losslessness, append one record per sample."""
     from harness.bench.config import RunConfig
@@ -58,6 +59,7 @@ def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, ma
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
         data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
         executor=executor, devices=devices, timeout=timeout, join_timeout=join_timeout, compile=compile_mode,
+        turns=turns,
     )
     path = run_config(config)
     if path is not None:  # a torchrun stage rank writes nothing
@@ -100,6 +102,7 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
 @click.option("--top-p", type=float, default=1.0, show_default=True,
               help="Top-p of the T>0 points (the paper samples with 0.95).")
 @prompt_options
+@turns_option
 @compile_option
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results root (default results/): records go to <root>/<model>/<method>.jsonl, or with --shard, "
@@ -115,7 +118,7 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
 @click.option("--missing", is_flag=True, help="With --plan: only the items whose records under --results are "
                                               "incomplete (a second wave reruns just those).")
 def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, max_new_tokens, limit, seed, device,
-          dtype, data_dir, compile_mode, results, simulate, show_plan, as_json, per_dataset, shard, missing,
+          dtype, data_dir, turns, compile_mode, results, simulate, show_plan, as_json, per_dataset, shard, missing,
           **param_values):
     """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed).
     With --plan, print its work items for a cluster scheduler; with --shard I/N, run one shard of them."""
@@ -136,7 +139,8 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
         values = list_values(param_values)
         points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths), (top_k, top_p))
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
-                     device=device, dtype=dtype, data_dir=data_dir, simulate=simulate, compile=compile_mode)
+                     device=device, dtype=dtype, data_dir=data_dir, simulate=simulate, compile=compile_mode,
+                     turns=turns)
     root = results or Path("results")
     index, count = parse_shard(shard) if shard is not None else (1, 1)
     items = plan(points, base, per_dataset)

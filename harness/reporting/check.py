@@ -36,7 +36,7 @@ FIGURES = {"tokens_per_step": "tokens/step", "acceptance": "acceptance"}
 # What a baseline keeps of each record: enough to pool its figures again (texts, token lists and versions dropped).
 RECORD_FIELDS = ("method", "params", "model", "dataset", "question_id", "temperature", "top_k", "top_p",
                  "max_new_tokens", "seed", "dtype", "simulated", "config_key", "new_tokens", "steps",
-                 "position_accepts", "lossless", "timing", "stats")
+                 "position_accepts", "lossless", "timing", "stats", "turn", "turns")
 
 
 @dataclass
@@ -118,7 +118,9 @@ def run_spec(rows: list[dict]) -> dict:
             "temperature": first["temperature"], "top_k": first.get("top_k", 0), "top_p": first.get("top_p", 1.0),
             "max_new_tokens": first["max_new_tokens"], "seeds": sorted({row["seed"] for row in rows}),
             "dtype": first["dtype"], "simulate": bool(first.get("simulated")), "samples": samples,
-            "executor": ((first.get("stats") or {}).get("executor") or {}).get("kind", "local")}
+            "executor": ((first.get("stats") or {}).get("executor") or {}).get("kind", "local"),
+            # the turns protocol where it is not the first turn's (baselines written before it stay equal)
+            **({"turns": first["turns"]} if first.get("turns", "first") != "first" else {})}
 
 
 def identity(spec: dict) -> str:
@@ -254,7 +256,8 @@ def _config(spec: dict, model: str | None, device: str, data_dir: str | None, se
                        datasets=tuple(wanted), temperature=spec["temperature"], top_k=spec["top_k"],
                        top_p=spec["top_p"], max_new_tokens=spec["max_new_tokens"],
                        seed=spec["seeds"][0] if seed is None else seed, device=device, dtype=spec["dtype"],
-                       data_dir=data_dir, simulate=spec["simulate"], baseline=False, compile=compile)
+                       data_dir=data_dir, simulate=spec["simulate"], baseline=False, compile=compile,
+                       turns=spec.get("turns", "first"))
     return config, wanted
 
 

@@ -1,7 +1,8 @@
 """Our records in other tools' formats, so their scripts read our runs.
 
 - `spec-bench`: Spec-Bench answer files, one JSONL per configuration (`question_id`, `category`, `answer_id`,
-  `model_id`, `choices[0]` with `turns`, `decoding_steps`, `new_tokens`, `wall_time`, `accept_lengths`, `tstamp`).
+  `model_id`, `choices[0]` with `turns`, `decoding_steps`, `new_tokens`, `wall_time`, `accept_lengths`, `tstamp`),
+  one line per question with a list entry per turn (a run of every MT-Bench turn: both, in order).
   Its `speed.py` takes a configuration's file and the autoregressive one as `--base-path`; its `equal.py` compares the
   `turns` of two files. The category is the dataset name (its `overall` task reads every line). Simulated records
   have no wall time and are skipped.
@@ -72,28 +73,41 @@ def _stamp(row: dict) -> float:
     return time.mktime(time.strptime(finished, "%Y-%m-%dT%H:%M:%S")) if finished else 0.0
 
 
-def spec_bench_answer(row: dict) -> dict:
+def spec_bench_answer(turns: list[dict]) -> dict:
+    """One question's answer line from the records of its turns (in order), its lists one entry per turn."""
+    row = turns[0]
     answer = hashlib.sha256(f"{row['config_key']}/{row['dataset']}/{row['question_id']}".encode()).hexdigest()[:22]
     return {
         "question_id": row["question_id"],
         "category": row["dataset"],
         "answer_id": answer,
         "model_id": _name(row),
-        "choices": [{"index": 0, "turns": [row["output_text"]], "decoding_steps": [row["steps"]],
-                     "new_tokens": [row["new_tokens"]], "wall_time": [_wall(row)],
-                     "accept_lengths": row["accepted"]}],
-        "tstamp": _stamp(row),
+        "choices": [{"index": 0, "turns": [t["output_text"] for t in turns],
+                     "decoding_steps": [t["steps"] for t in turns], "new_tokens": [t["new_tokens"] for t in turns],
+                     "wall_time": [_wall(t) for t in turns],
+                     "accept_lengths": [a for t in turns for a in t["accepted"]]}],
+        "tstamp": max(_stamp(t) for t in turns),
     }
 
 
-def _questions(rows: list[dict]) -> dict[tuple[str, str], str]:
-    """The prompt text per (dataset, question id) from the prompt sets, where they load here (else none)."""
+def _answers(group: list[dict]) -> list[dict]:
+    """A configuration's answer lines: its records grouped by question, each question's turns in order."""
+    questions: dict[tuple, list[dict]] = defaultdict(list)
+    for row in group:
+        questions[(row["dataset"], str(row["question_id"]))].append(row)
+    return [spec_bench_answer(sorted(turns, key=lambda t: t.get("turn", 1))) for turns in questions.values()]
+
+
+def _questions(rows: list[dict]) -> dict[tuple[str, str, int], str]:
+    """The user turn's text per (dataset, question id, turn) from the prompt sets, where they load here (else
+    none)."""
     from harness.bench.data import load_samples
 
     texts = {}
     for dataset in sorted({r["dataset"] for r in rows}):
         try:
-            texts.update({(dataset, str(s.question_id)): s.prompt for s in load_samples(dataset)})
+            texts.update({(dataset, str(s.question_id), turn): text for s in load_samples(dataset)
+                          for turn, text in enumerate(s.turns("all"), 1)})
         except HarnessError:
             continue
     return texts
@@ -108,7 +122,7 @@ def export(rows: list[dict], fmt: str, out: Path, outputs: Outputs | None = None
         raise HarnessError(f"--format must be one of {', '.join(known)}, got {fmt!r}")
     groups: dict[str, list[dict]] = defaultdict(list)
     skipped = simulated = 0
-    for row in sorted(rows, key=lambda r: (r["dataset"], str(r["question_id"]))):
+    for row in sorted(rows, key=lambda r: (r["dataset"], str(r["question_id"]), r.get("turn", 1))):
         if fmt == SPEC_BENCH and row.get("simulated"):  # a replay has no wall time to divide by
             simulated += 1
         elif row["method"] in known[fmt]:
@@ -123,14 +137,15 @@ def export(rows: list[dict], fmt: str, out: Path, outputs: Outputs | None = None
                            f"`spd-bench run` first")
     check_out_path(out, folder=True)
     if fmt == SPEC_BENCH:
-        files = {f"{name}.jsonl": [spec_bench_answer(r) for r in group] for name, group in sorted(groups.items())}
+        files = {f"{name}.jsonl": _answers(group) for name, group in sorted(groups.items())}
         return _write_all(out, files, outputs), skipped
     questions = _questions(rows)
     files = {}
     for name, group in sorted(groups.items()):
         family = REGISTRY[group[0]["method"]].exports[fmt]
         files[f"{name}{family.suffix}.jsonl"] = [
-            family.sample(r, i, questions.get((r["dataset"], str(r["question_id"])))) for i, r in enumerate(group)]
+            family.sample(r, i, questions.get((r["dataset"], str(r["question_id"]), r.get("turn", 1))))
+            for i, r in enumerate(group)]
     return _write_all(out, files, outputs), skipped
 
 

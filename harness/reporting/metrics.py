@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from harness.bench.config import RunConfig
+from harness.bench.data import MULTI_TURN
 from methods.base import REGISTRY, Method
 from methods.sampling import NO_TRUNCATION
 from methods.stats import Stats
@@ -45,7 +46,22 @@ def config_label(s: Summary) -> str:
     """A configuration as tables and figures name it: method, parameters (the width apart), length, how it ran."""
     params = {k: v for k, v in s.params.items() if k != "width"}
     name = (f"{s.method} {params_label(params)}" if params else s.method) + length_label(s.max_new_tokens)
-    return name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.distributed else "")
+    return (name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.distributed else "")
+            + ("" if s.turns == "first" else f" [{s.turns} turns]"))
+
+
+def turn_label(dataset: str, turn: int) -> str:
+    """The dataset label of one turn's records in a run of every turn: "mt_bench turn 2"."""
+    return f"{dataset} turn {turn}"
+
+
+def _datasets(row: dict) -> list[str]:
+    """The summaries a record pools into: its dataset, its turn of it (a run of every turn of a multi-turn set),
+    and its configuration's overall."""
+    own = [row["dataset"]]
+    if row.get("turns", "first") != "first" and row["dataset"] in MULTI_TURN:
+        own.append(turn_label(row["dataset"], row.get("turn", 1)))
+    return [*own, OVERALL]
 
 
 def family(method: str) -> type[Method] | None:
@@ -91,6 +107,7 @@ class Summary:
     top_k: int = 0  # sampling truncation (0 / 1.0: off); runs that differ only here are different configurations
     top_p: float = 1.0
     max_new_tokens: int = 0  # the run's length limit (0: not recorded)
+    turns: str = "first"  # the turns protocol: the first user turn of each question, or every turn ("all")
     samples: int = 0
     new_tokens: int = 0
     steps: int = 0
@@ -111,7 +128,7 @@ class Summary:
     def empty(self) -> Summary:
         """A summary of the same configuration and dataset with no samples yet (a bootstrap replicate's start)."""
         return Summary(self.method, self.params, self.model, self.temperature, self.dataset, self.config_key,
-                       self.top_k, self.top_p, self.max_new_tokens, simulated=self.simulated)
+                       self.top_k, self.top_p, self.max_new_tokens, self.turns, simulated=self.simulated)
 
     def add(self, row: dict) -> None:
         self.add_unit((row, (self.family.Stats if self.family else Stats).read(row.get("stats") or {})))
@@ -298,24 +315,27 @@ def _group(row: dict) -> tuple:
 
 def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL,
          model: str | None = None, simulated: bool | None = None,
-         truncation: tuple[int, float] = NO_TRUNCATION) -> Summary | None:
-    """The summary matching a configuration (see Summary.matches) on `model` (default: any), executed runs before
-    simulated ones (`simulated`: only those of that kind)."""
+         truncation: tuple[int, float] = NO_TRUNCATION, turns: str = "first") -> Summary | None:
+    """The summary matching a configuration (see Summary.matches) on `model` (default: any) under the `turns`
+    protocol (default: the paper's, the first turn), executed runs before simulated ones (`simulated`: only those
+    of that kind)."""
     found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature, truncation)
-             and model in (None, s.model) and simulated in (None, s.simulated)]
+             and model in (None, s.model) and simulated in (None, s.simulated) and s.turns == turns]
     return min(found, key=lambda s: s.simulated) if found else None
 
 
 def summarize(rows: list[dict]) -> list[Summary]:
-    """One Summary per (configuration, dataset) and one per configuration over all its datasets."""
+    """One Summary per (configuration, dataset), per turn of a multi-turn set where a run decoded every turn, and one
+    per configuration over all its datasets."""
     table: dict[tuple, Summary] = {}
     for row in rows:
-        for dataset in (row["dataset"], OVERALL):
+        for dataset in _datasets(row):
             key = (*_group(row), dataset)
             if key not in table:
                 table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset,
                                      row["config_key"], row.get("top_k", 0), row.get("top_p", 1.0),
-                                     row.get("max_new_tokens", 0), simulated=bool(row.get("simulated")))
+                                     row.get("max_new_tokens", 0), row.get("turns", "first"),
+                                     simulated=bool(row.get("simulated")))
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
     return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.simulated,

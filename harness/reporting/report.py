@@ -10,6 +10,7 @@ Empty cells show "—" and the report ends with the commands that fill the paper
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.bench.data import DATASETS
+from harness.bench.data import DATASETS, MULTI_TURN
 from harness.bench.sweep import GridPoint
 from harness.reporting.intervals import (
     MIN_PROMPTS,
@@ -26,6 +27,7 @@ from harness.reporting.intervals import (
     Interval,
     getter,
     interval,
+    paired_interval,
     percentile_interval,
     position,
     replicates,
@@ -39,6 +41,7 @@ from harness.reporting.metrics import (
     length_label,
     params_label,
     sampling_label,
+    turn_label,
 )
 from harness.reporting.paper import (
     ABLATION,
@@ -207,6 +210,42 @@ def speedup_table(overall: list[Summary]) -> list[Table]:
                         "engine: the dtype and kernels the timed samples ran with (AR beside them ran the same)")]
 
 
+def turns_table(summaries: list[Summary]) -> list[Table]:
+    """Runs of every turn of a multi-turn set: each turn's figures beside the turns pooled, and how far acceptance
+    moved from the first turn (paired over the questions that have both)."""
+    by_label = {(s.config_key, s.dataset): s for s in summaries}
+    rows = []
+    for pooled in (s for s in summaries if s.turns != "first" and s.dataset in MULTI_TURN):
+        turns = list(itertools.takewhile(bool, (by_label.get((pooled.config_key, turn_label(pooled.dataset, n)))
+                                                for n in itertools.count(1))))
+        for label, s in [*((f"turn {n}", t) for n, t in enumerate(turns, 1)), ("both", pooled)]:
+            rows.append([_config(pooled), pooled.sampling, label, str(s.samples), f"{_mean_prompt(s):.0f}",
+                         _ci(s, "tokens_per_step"), _ci(s, "acceptance", 3),
+                         _moved(s, turns[0]) if s is not pooled else "—", _ci(s, "theoretical_speedup"), _wall(s)])
+    if not rows:
+        return []
+    return [Table("MT-Bench by turn (runs of every turn)",
+                  ["config", "T", "turn", "samples", "prompt tokens", "tokens/step", "acceptance", "vs turn 1",
+                   "theoretical x", "wall-clock x"], rows,
+                  "a later turn's prompt is the conversation so far (the method's own earlier answers, so at T>0 "
+                  "each method samples its own first answer, as Spec-Bench does), rendered through the chat "
+                  "template and prefilled anew each turn (its KV is not carried over; the timing counts that "
+                  "prefill); prompt tokens: the mean, history included; vs turn 1: acceptance minus turn 1's, its "
+                  "interval over the questions that have both, redrawn together")]
+
+
+def _mean_prompt(s: Summary) -> float:
+    return sum(row.get("prompt_tokens", 0) for row, _ in s.units) / max(1, len(s.units))
+
+
+def _moved(s: Summary, first: Summary) -> str:
+    """s's acceptance minus `first`'s, with its paired interval ("—" for the first turn itself)."""
+    if s is first or s.acceptance is None or first.acceptance is None:
+        return "—"
+    found, _ = paired_interval(s, first, "acceptance", lambda a, b: a - b)
+    return f"{s.acceptance - first.acceptance:+.3f}" + ("" if found is None else " " + found.text("+.3f"))
+
+
 def position_axes(overall: list[Summary]) -> dict:
     """Summaries with accepts per position, by their family's axis (PositionAxis), the axes in order of label."""
     found: dict = {}
@@ -363,7 +402,8 @@ def missing_points(summaries: list[Summary]) -> list[GridPoint]:
 
 def tables(summaries: list[Summary]) -> list[Table]:
     overall = [s for s in summaries if s.dataset == OVERALL]
-    return ([summary_table(overall)] + main_tables(summaries) + scaling_tables(summaries) + ablation_table(overall)
+    return ([summary_table(overall)] + main_tables(summaries) + turns_table(summaries) + scaling_tables(summaries)
+            + ablation_table(overall)
             + speedup_table(overall)
             + acceptance_tables(overall) + breakdown_table(overall) + family_tables(overall) + simulation_table(overall)
             + claims_table(summaries)

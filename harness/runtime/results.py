@@ -70,10 +70,21 @@ class Record:
     baseline: dict | None = None  # AR on the same prompt and seed, timed beside the method
     prompt_source: dict = field(default_factory=dict)  # the prompt set's origin (file, package + version) and sha256
     conditions: dict = field(default_factory=dict)  # load, cores, threads, processor, Linear kernels
+    turn: int = 1  # which user turn of the question this decoded (1: the first)
+    turns: str = "first"  # the protocol: the first user turn only, or every turn as a conversation ("all")
 
-    @property
-    def sample_key(self) -> tuple[str, str, str]:
-        return self.config_key, self.dataset, str(self.question_id)
+
+SampleKey = tuple[str, str, str, int]
+
+
+def sample_key(config_key: str, dataset: str, question_id, turn: int = 1) -> SampleKey:
+    """What one record is the only record of: a configuration's turn of one question."""
+    return config_key, dataset, str(question_id), turn
+
+
+def row_key(row: dict) -> SampleKey:
+    """A record's sample_key (records older than the turn field decoded the first turn)."""
+    return sample_key(row["config_key"], row.get("dataset"), row.get("question_id"), row.get("turn", 1))
 
 
 class ResultStore:
@@ -150,8 +161,8 @@ class ResultStore:
                           f"run on this file would not be refused; give each job its own file (sweep --shard, "
                           f"sweep --plan) or --out", stacklevel=2)
 
-    def finished(self) -> set[tuple[str, str, str]]:
-        return {(r["config_key"], r["dataset"], str(r["question_id"])) for r in self.load()}
+    def finished(self) -> set[SampleKey]:
+        return {row_key(r) for r in self.load()}
 
     def append(self, record: Record | dict) -> None:
         if self._unrepaired is not None:
@@ -255,7 +266,7 @@ def load_all(results: Path | list[Path] | tuple[Path, ...]) -> Loaded:
         found += [row for rows in held.values() for row in rows]
     unique = {}
     for row in found:
-        unique.setdefault((row["config_key"], row.get("dataset"), str(row.get("question_id"))), row)
+        unique.setdefault(row_key(row), row)
     return Loaded(list(unique.values()), len(found) - len(unique), foreign, sources)
 
 
