@@ -23,8 +23,47 @@ from harness.runtime.errors import HarnessError  # noqa: E402
 from harness.runtime.models import DEFAULT_MODEL  # noqa: E402
 
 
+# The sections a command's --help groups its options into, by parameter name; a method's own parameters (every
+# Params field is an option) go under METHOD, anything else under the last.
+METHOD = "Method and its parameters"
+SECTIONS = {
+    METHOD: ("method", "methods", "preset", "param_pairs", "params", "checkpoint", "widths", "configurations"),
+    "Prompts and lengths": ("datasets", "dataset", "data_dir", "limit", "prompts", "max_new_tokens", "turns",
+                            "seq_len", "batch_size", "tokens", "epochs", "steps"),
+    "Sampling": ("temperature", "temperatures", "top_k", "top_p", "seed"),
+    "Model and device": ("model", "device", "dtype", "compile_mode", "executor", "devices", "timeout", "join_timeout",
+                         "simulate", "shape", "shapes", "layers"),
+    "Output": ("out", "results", "fmt", "replace", "summary", "show_plan", "as_json", "per_dataset", "shard",
+               "missing", "skip_missing"),
+}
+OTHER = "Other options"
+
+
+class _Sectioned(click.Command):
+    """A command whose --help lists its options in sections (SECTIONS) instead of one long list."""
+
+    def format_options(self, ctx, formatter):
+        declared = _declared_params(training=True).keys() | _declared_params().keys()
+        sections: dict[str, list] = {title: [] for title in (*SECTIONS, OTHER)}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            name = (param.name or "").removesuffix("_values")
+            title = next((t for t, names in SECTIONS.items() if param.name in names), None)
+            sections[title or (METHOD if name in declared else OTHER)].append(record)
+        for title, records in sections.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+
 class _Group(click.Group):
-    """Turns usage errors and HarnessError into `error: <one line>` on stderr and exit code 2."""
+    """Turns usage errors and HarnessError into `error: <one line>` on stderr and exit code 2; its commands list
+    their options in sections."""
+
+    command_class = _Sectioned
+    group_class = type  # subgroups (bench) are of this class too
 
     def main(self, *args, **kwargs):
         try:
@@ -151,9 +190,16 @@ def list_values(named: dict[str, str | None], training: bool = False) -> dict[st
             if text is not None and (name := key.removesuffix("_values")) in declared}
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings={"max_content_width": 120})
 def main():
-    """Benchmark and reproduction harness for lossless speculative decoding."""
+    """Benchmark and reproduction harness for lossless speculative decoding: decode, report, check.
+
+    \b
+    Examples:
+      spd-bench run --method spd --n 8 --ls 4 --limit 10
+      spd-bench report --results results
+    Each command's --help shows its options and an example; docs/ has the guides.
+    """
     _quiet_libraries()
 
 

@@ -24,7 +24,12 @@ from harness.cli.drafters import _drafter_specs
 
 @main.group()
 def bench():
-    """Speed benchmarks (figures go to results/bench/)."""
+    """Speed and engine benchmarks (figures go to results/bench/).
+
+    \b
+    Example:
+      spd-bench bench ar --prompts 3
+    """
 
 
 @bench.command("ar")
@@ -39,7 +44,12 @@ def bench():
 @compile_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/ar.jsonl"), show_default=True)
 def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, compile_mode, out):
-    """Harness AR decode vs HF generate, alternating runs; prints the median time ratio (HF / ours)."""
+    """Harness AR against HF generate, alternating runs, and the machine's bandwidth floor.
+
+    \b
+    Example:
+      spd-bench bench ar --dataset gsm8k --prompts 3 --max-new-tokens 48 --repeats 2
+    """
     from harness.bench.speed_ar import bench_ar, save
 
     result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, compile_mode)
@@ -70,8 +80,14 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @data_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/peer.jsonl"), show_default=True)
 def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, out):
-    """A method, the harness's and HF generate's, beside both greedy decodes on the same prompts, paired; prints each
-    side's tokens/s and wall-clock ratios with 95% intervals."""
+    """A method, the harness's and HF generate's, beside both greedy decodes on the same prompts, paired.
+
+    Prints each side's tokens/s and wall-clock ratios with 95% intervals.
+
+    \b
+    Example:
+      spd-bench bench peer --method lookup --prompts 10 --param length=cost
+    """
     from dataclasses import asdict
 
     from harness.bench import peer
@@ -100,8 +116,14 @@ def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params,
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/dispatch.jsonl"),
               show_default=True)
 def bench_dispatch_command(configurations, model, dataset, prompts, max_new_tokens, device, dtype, data_dir, out):
-    """aten ops and host syncs per generated token and per step for each configuration, beside HF generate on the
-    same prompts (exact counts from a dispatch mode: the same on every machine)."""
+    """aten ops and host syncs per token and per step for each configuration, beside HF generate.
+
+    Exact counts from a dispatch mode: the same on every machine.
+
+    \b
+    Example:
+      spd-bench bench dispatch --method eagle3:m=3,width=4
+    """
     from harness.bench import dispatch
 
     results = dispatch.bench_dispatch(list(configurations) or dispatch.default_configurations(), model, dataset,
@@ -123,7 +145,12 @@ def bench_dispatch_command(configurations, model, dataset, prompts, max_new_toke
 @dtype_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
 def bench_train_command(methods, seq_len, batch_size, steps, model, device, dtype, out, **named_values):
-    """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches."""
+    """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches.
+
+    \b
+    Example:
+      spd-bench bench train --method spd --n 8 --ls 4 --steps 3
+    """
     from harness.training import speed as bench_train
     from harness.training.train import TrainConfig
 
@@ -150,7 +177,12 @@ def bench_train_command(methods, seq_len, batch_size, steps, model, device, dtyp
 @dtype_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/stage.jsonl"), show_default=True)
 def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, device, dtype, out):
-    """One pipeline stage call on W draft branches against one: time per stage and memory per branch."""
+    """One pipeline stage call on W draft branches against one: time per stage and memory per branch.
+
+    \b
+    Example:
+      spd-bench bench stage --random tiny-qwen3.5 --width 1,4
+    """
     import torch
 
     from harness.bench import speed_stage as bench_stage
@@ -189,7 +221,12 @@ def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, de
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/selfcheck.jsonl"),
               show_default=True)
 def selfcheck(device, shapes, dtype, prompts, max_new_tokens, out):
-    """Every method lossless against AR on random models of real shapes, and AR against HF generate (no downloads)."""
+    """Every method against AR on random real-shape models, and AR against HF generate (no downloads).
+
+    \b
+    Example:
+      spd-bench selfcheck --device cuda
+    """
     from harness.bench import selfcheck as check
     from harness.runtime.models import default_dtype, resolve_device, resolve_dtype
     from harness.runtime.results import ResultStore

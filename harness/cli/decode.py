@@ -48,7 +48,12 @@ def _served() -> str:
 def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device,
         dtype, data_dir, turns, compile_mode, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
         join_timeout, **named):
-    """Decode benchmark prompts, check losslessness, append one record per sample."""
+    """Decode prompts with one method, check each output against greedy AR, record each sample.
+
+    \b
+    Example:
+      spd-bench run --method spd --n 8 --ls 4 --limit 10
+    """
     from harness.bench.config import RunConfig
     from harness.bench.runner import run as run_config
 
@@ -74,8 +79,15 @@ def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, ma
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (default: the cache).")
 def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate, checkpoint,
            **named):
-    """Train/decode parity of a drafter: its predictions on the greedy AR output through the training layout and
-    through decoding, as its family compares them; exits 1 on any disagreement beyond near-ties."""
+    """Check a drafter predicts alike in training and in decoding; exit 1 on a disagreement.
+
+    Its predictions on the greedy AR output, through the training layout and through decoding, as its family compares
+    them.
+
+    \b
+    Example:
+      spd-bench parity --method spd --n 4 --ls 1 --limit 3
+    """
     from harness.bench.config import RunConfig
     from harness.bench.parity import check as parity_check
 
@@ -120,8 +132,14 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
 def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, max_new_tokens, limit, seed, device,
           dtype, data_dir, turns, compile_mode, results, simulate, show_plan, as_json, per_dataset, shard, missing,
           **param_values):
-    """Run a grid of configurations, resumable, with one progress bar; trains nothing (missing drafters are listed).
-    With --plan, print its work items for a cluster scheduler; with --shard I/N, run one shard of them."""
+    """Run a grid of configurations, resumable, with one progress bar; trains nothing.
+
+    With --plan, print its work items for a cluster scheduler; with --shard I/N, run one shard of them.
+
+    \b
+    Example:
+      spd-bench sweep --preset paper --simulate --limit 10
+    """
     from harness.bench.config import RunConfig, validate
     from harness.bench.plan import incomplete, parse_shard, plan
     from harness.bench.plan import shard as shard_of

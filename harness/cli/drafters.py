@@ -75,7 +75,12 @@ def _learning_rate(value: float) -> float:
 @dtype_option
 def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every,
           val_prompts, corpus, autocast, resume, model, device, dtype, **named_values):
-    """Distil drafters from the frozen target on ShareGPT; one teacher pass feeds every drafter listed."""
+    """Distil drafters from the frozen target; one teacher pass feeds every drafter listed.
+
+    \b
+    Example:
+      spd-bench train --method spd --n 8 --ls 4 --tokens 300000 --corpus self
+    """
     from harness.training.train import TrainConfig
     from harness.training.train import train as run_training
 
@@ -102,8 +107,14 @@ def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, lr, warmu
 @param_options()
 @model_option
 def ship(method, param_pairs, model, **named):
-    """Copy a trained drafter from the cache into drafters/<model>/ as bf16 safetensors + config (at most 40 MB),
-    where `run` finds it when the cache has none."""
+    """Copy a trained drafter from the cache into drafters/<model>/ (bf16 safetensors, at most 40 MB).
+
+    `run` finds it there when the cache has none.
+
+    \b
+    Example:
+      spd-bench ship --method spd --n 8 --ls 4
+    """
     from harness.runtime import checkpoints
     from harness.runtime.models import load_identity
     from methods.base import REGISTRY, parse_params
@@ -155,8 +166,12 @@ def _named_params(cls, named: dict, wanted: tuple[str, ...]):
 @device_option
 @dtype_option
 def import_command(force, model, device, dtype, **options):
-    """Convert a published drafter (one of the formats below) for --model into the drafter cache (checked against
-    the target)."""
+    """Convert a published drafter for --model into the drafter cache, checked against the target.
+
+    \b
+    Example:
+      spd-bench import --eagle3 heads/EAGLE3-Qwen3-4B --ttt 7 --model Qwen/Qwen3-4B
+    """
     from harness.runtime.models import load_model
     from harness.runtime.target import TargetRuntime
 
@@ -180,7 +195,8 @@ def _exporter():
     return cls
 
 
-@main.command(name="export-head", help=_exporter().head_export.about)
+@main.command(name="export-head", help=f"{_exporter().head_export.about}\n\n\b\nExample:\n  spd-bench export-head "
+                                       f"--model smollm2-135m --ttt 7 --out heads/eagle3-ttt7")
 @model_option
 @param_options(only=_exporter().head_export.params)
 @click.option("--checkpoint", default=None, help="The head's folder (default: the cache's).")

@@ -56,7 +56,12 @@ replace_option = click.option("--replace", is_flag=True, help="Overwrite files t
 @click.option("--summary", is_flag=True, help="Only the table of acceptance and speedups per configuration (markdown).")
 @replace_option
 def report(results, fmt, out, summary, replace):
-    """Pooled metrics per configuration and dataset; with --out (markdown) also figures under <out dir>/figures."""
+    """Pooled metrics with intervals per configuration and dataset; --out also draws the figures.
+
+    \b
+    Example:
+      spd-bench report --results results --out reports/results.md --replace
+    """
     from harness.reporting.metrics import summarize
     from harness.reporting.report import RENDERERS, markdown_summary, render_figures
     from harness.runtime.files import Outputs
@@ -92,7 +97,12 @@ def report(results, fmt, out, summary, replace):
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for one JSONL per configuration.")
 @replace_option
 def export(fmt, results, out, replace):
-    """Our records in another tool's format, one file per configuration."""
+    """Write the records in another tool's format, one file per configuration.
+
+    \b
+    Example:
+      spd-bench export --format spec-bench --out answers
+    """
     from harness.reporting.export import export as write
     from harness.runtime.files import Outputs
     from harness.runtime.paths import check_out_path
@@ -122,8 +132,12 @@ def export(fmt, results, out, replace):
 @data_option
 @compile_option
 def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, compile_mode, replace):
-    """Exit 1 when a figure fell beyond its noise and the margin, a sample lost losslessness, or a configuration is
-    missing."""
+    """The regression gate against a committed baseline; exit 1 on a drop beyond noise or a lost output.
+
+    \b
+    Example:
+      spd-bench check --baseline tests/baselines/regression.json --rerun
+    """
     import tempfile
 
     from harness.reporting import check as regression
