@@ -64,6 +64,8 @@ NOTES = DEFINITIONS + f"""\
 [low, high]: the 95% interval of the figure by bootstrap over prompts ({RESAMPLES} resamples drawing each dataset's
 prompts again with replacement, so the pooled figure keeps its weighting; seeds fixed, so the report re-renders
 identically). Below {MIN_PROMPTS} prompts in a dataset a figure says "too few" instead of an interval.
+MT-Bench: each question's first user turn (the paper's protocol), except in configurations labelled [all turns],
+which decode every turn as one conversation (Spec-Bench's and EAGLE's; "MT-Bench by turn" shows each turn).
 """
 
 
