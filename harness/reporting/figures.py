@@ -25,8 +25,8 @@ def _label(s: Summary) -> str:
 
 def _preferred(summaries: list[Summary]) -> list[Summary]:
     """One summary per model and configuration: the executed one where it was also simulated."""
-    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset, s.model, truncation=s.truncation)
-              for s in summaries)
+    chosen = (find(summaries, s.method, s.params, s.temperature, s.dataset, s.model, truncation=s.truncation,
+                   turns=s.turns) for s in summaries)
     return list({id(s): s for s in chosen}.values())
 
 

@@ -184,14 +184,14 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
     for s in overall:
         if spec.parameter in s.params:
             key = (s.method, *(s.params.get(p) for p in spec.label), s.width, s.sampling, s.simulated,
-                   s.max_new_tokens)
+                   s.max_new_tokens, s.turns)
             pairs.setdefault(key, {})[s.params[spec.parameter]] = s
     first, second = spec.values
     rows = [[f"{m} " + " ".join(f"{p}={v}" for p, v in zip(spec.label, values)) + length_label(tokens)
-             + (" (sim)" if sim else ""), str(w), t,
+             + (" (sim)" if sim else "") + ("" if turns == "first" else f" [{turns} turns]"), str(w), t,
              _ci(p[first], "tokens_per_step"), _ci(p[second], "tokens_per_step"),
              _ci(p[first], "theoretical_speedup"), _ci(p[second], "theoretical_speedup")]
-            for (m, *values, w, t, sim, tokens), p in sorted(pairs.items(), key=str) if len(p) == 2]
+            for (m, *values, w, t, sim, tokens, turns), p in sorted(pairs.items(), key=str) if len(p) == 2]
     if not rows:
         return []
     return [Table(spec.title, ["config", "width", "T", f"{spec.metric} {first}", f"{spec.metric} {second}",
@@ -301,7 +301,7 @@ def reference_table(summaries: list[Summary]) -> list[Table]:
 def simulation_table(overall: list[Summary]) -> list[Table]:
     """Configurations run both ways: how close the replay's acceptance is to executed decoding."""
     def key(s):
-        return (s.model, s.method, _params(s.params), s.temperature, s.truncation, s.max_new_tokens)
+        return (s.model, s.method, _params(s.params), s.temperature, s.truncation, s.max_new_tokens, s.turns)
     executed = {key(s): s for s in overall if not s.simulated}
     rows = [[_config(e), str(e.width), e.sampling, f"{e.samples}/{s.samples}", _ci(e, "tokens_per_step", 3),
              _ci(s, "tokens_per_step", 3), _ci(e, "acceptance", 3), _ci(s, "acceptance", 3),
@@ -388,9 +388,14 @@ def detail_table(summaries: list[Summary]) -> Table:
     return Table("All configurations by dataset", list(COLUMNS), [_cells(s) for s in summaries])
 
 
+def _dataset(s: Summary) -> str:
+    """The dataset cell, with the turns protocol where it is not the first turn's."""
+    return s.dataset + ("" if s.turns == "first" else f" [{s.turns} turns]")
+
+
 def _cells(s: Summary) -> list[str]:
     lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
-    return [s.method, _params(s.params), s.model, s.sampling, s.dataset, "yes" if s.simulated else "no",
+    return [s.method, _params(s.params), s.model, s.sampling, _dataset(s), "yes" if s.simulated else "no",
             str(s.samples), str(s.new_tokens), str(s.steps), _ci(s, "tokens_per_step"), _ci(s, "l_acc"),
             _ci(s, "theoretical_speedup"), _ci(s, "modeled_speedup"), _wall(s),
             _ci(s, "tokens_per_second", 1), lossless]
@@ -505,7 +510,7 @@ def csv_text(summaries: list[Summary], figures: dict[str, str] | None = None) ->
     header += ["wall-clock samples", "checked", "identical"]
     rows = []
     for s in summaries:
-        row = [s.method, json.dumps(s.params, sort_keys=True), s.model, s.sampling, s.dataset, s.simulated,
+        row = [s.method, json.dumps(s.params, sort_keys=True), s.model, s.sampling, _dataset(s), s.simulated,
                s.samples, s.fewest_prompts, s.new_tokens, s.steps]
         for _, figure in CSV_FIGURES:
             value = getattr(s, figure)
