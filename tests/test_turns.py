@@ -155,3 +155,26 @@ def test_a_sweep_plan_passes_the_protocol_on_to_a_file_of_its_own(tiny_dir, cach
                                      "mt_bench", "--turns", "all", "--plan"])
     assert plan.exit_code == 0, plan.output
     assert "--turns all" in plan.output and "-turns-all.jsonl" in plan.output
+
+
+def test_a_baseline_keeps_the_protocol_and_check_takes_one_protocol_at_a_time(tiny_dir, eval_dir, tmp_path, cache):
+    results = tmp_path / "results"
+    _run(tiny_dir, eval_dir, results / "both.jsonl", "--turns", "all", "--method", "lookup")
+    _run(tiny_dir, eval_dir, results / "first.jsonl", "--method", "lookup")
+    baseline = tmp_path / "b.json"
+    written = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(results), "--write"])
+    assert written.exit_code == 0, written.output
+    specs = [entry["run"] for entry in json.loads(baseline.read_text())]
+    assert sorted(spec.get("turns", "first") for spec in specs) == ["all", "first"]  # first-turn specs as before
+    checked = CliRunner().invoke(main, ["check", "--baseline", str(baseline), "--results", str(results), "--turns",
+                                        "all"])
+    assert checked.exit_code == 0, checked.output
+    labels = [line for line in checked.output.splitlines() if "lookup" in line]
+    assert labels and all("[all turns]" in line for line in labels), checked.output
+    only_first = tmp_path / "first.json"
+    CliRunner().invoke(main, ["check", "--baseline", str(only_first), "--results", str(results), "--write",
+                              "--turns", "first"])
+    assert [e["run"].get("turns", "first") for e in json.loads(only_first.read_text())] == ["first"]
+    refused = CliRunner().invoke(main, ["check", "--baseline", str(only_first), "--results", str(results),
+                                        "--turns", "all"])
+    assert refused.exit_code == 2 and "holds no configuration of --turns all" in refused.stderr

@@ -127,11 +127,15 @@ def export(fmt, results, out, replace):
 @click.option("--seed", type=int, default=None, help="With --rerun: decode with this seed instead of the baseline's "
                                                      "first (at T>0 a reseeded rerun must pass).")
 @click.option("--model", default=None, help="With --rerun: target to load instead of the baseline's model name.")
+@click.option("--turns", type=click.Choice(["first", "all"]), default=None,
+              help="Only the configurations of this MT-Bench protocol (the first user turn, or every turn as a "
+                   "conversation): with --write the records written, else the baseline entries checked and rerun "
+                   "(default: every one, each rerun as its baseline says).")
 @replace_option
 @device_option
 @data_option
 @compile_option
-def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, compile_mode, replace):
+def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, turns, compile_mode, replace):
     """The regression gate against a committed baseline; exit 1 on a drop beyond noise or a lost output.
 
     \b
@@ -150,7 +154,7 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
     outputs = Outputs(replace, what="--baseline")
     if write:
         outputs.claim(baseline)  # before the records are read
-    expected = None if write else regression.read_baseline(baseline)
+    expected = None if write else regression.of_turns(regression.read_baseline(baseline), turns, baseline)
     if rerun:
         # The rerun decodes into a folder of its own and is judged on those records alone: never on records made
         # before it (which a resumed run would keep instead of decoding) or with another drafter.
@@ -164,6 +168,9 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
     if not rows and not rerun:
         raise HarnessError(f"no result records under {results}; run `spd-bench run` first")
     if write:
+        rows = [row for row in rows if turns in (None, row.get("turns", "first"))]
+        if not rows:
+            raise HarnessError(f"no records of --turns {turns} under {results}; run with --turns {turns} first")
         for warning in regression.write_baseline(baseline, rows, outputs):
             click.echo(f"warning: {warning}", err=True)
         click.echo(f"baseline: {baseline}")

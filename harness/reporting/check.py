@@ -103,7 +103,8 @@ class Outcome:
 
 def _label(s: Summary) -> str:
     params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()))
-    return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}".strip()
+    turns = "" if s.turns == "first" else f" [{s.turns} turns]"
+    return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}{turns}".strip()
 
 
 def run_spec(rows: list[dict]) -> dict:
@@ -216,6 +217,16 @@ def read_baseline(path: Path) -> list[Expected]:
 
 def _finite(*values) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def of_turns(baseline: list[Expected], turns: str | None, path: Path) -> list[Expected]:
+    """The entries decoded under the `turns` protocol (None: all of them); none is bad input."""
+    if turns is None:
+        return baseline
+    kept = [e for e in baseline if e.run.get("turns", "first") == turns]
+    if not kept:
+        raise HarnessError(f"{path} holds no configuration of --turns {turns}; drop --turns or pass another baseline")
+    return kept
 
 
 def rerun(baseline: list[Expected], results: Path, model: str | None, device: str, data_dir: str | None,
