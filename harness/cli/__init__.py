@@ -35,6 +35,7 @@ SECTIONS = {
                          "simulate", "shape", "shapes", "layers"),
     "Output": ("out", "results", "fmt", "replace", "summary", "show_plan", "as_json", "per_dataset", "shard",
                "missing", "skip_missing"),
+    "The gate": ("baseline", "margin", "write", "rerun"),
 }
 OTHER = "Other options"
 

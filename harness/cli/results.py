@@ -118,7 +118,7 @@ def export(fmt, results, out, replace):
               help="Results file or folder to check (default results/); with --rerun, the folder the rerun writes to "
                    "(default: a fresh temporary folder).")
 @click.option("--margin", type=click.FloatRange(0, 1), default=0.05, show_default=True, callback=_finite,
-              help="The relative drop a figure may show: at T=0 its change, at T>0 its whole paired 95%% "
+              help="The relative drop a figure may show: at T=0 its change, at T>0 its whole paired 95% "
                    "interval.")
 @click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking (runs of one "
                                             "configuration at several seeds become one entry: use 3 or more at T>0).")
