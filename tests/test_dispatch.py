@@ -98,12 +98,14 @@ def test_an_eagle3_round_reads_back_once(width, temperature):
     assert counts.syncs <= steps + 2 * len(PROMPTS), dict(counts.sites)  # + the prefill's token per prompt
 
 
-@pytest.mark.parametrize("width, temperature", [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)])
-def test_an_spd_cycle_reads_back_at_most_twice(width, temperature):
+@pytest.mark.parametrize("arch, width, temperature", [("llama", 1, 0.0), ("llama", 4, 0.0), ("llama", 1, 1.0),
+                                                      ("llama", 4, 1.0), ("qwen3_5", 4, 0.0), ("qwen3_5", 4, 1.0)])
+def test_an_spd_cycle_reads_back_at_most_twice(arch, width, temperature):
+    """Also a tree through linear-attention layers (Qwen3.5): the stage calls take the tree's shape from the host."""
     from methods.pipeline.spd import SPD
     from methods.pipeline.speculator import Speculator, SpeculatorConfig
 
-    target = TargetRuntime(tiny_model("llama", num_layers=8), max_len=256)
+    target = TargetRuntime(tiny_model(arch, num_layers=8), max_len=256)
     speculator = Speculator(SpeculatorConfig(n=4, ls=1, num_layers=8), target).eval()
     method = SPD(target, SPD.Params(n=4, ls=1, width=width), set(), speculator=speculator)
     counts, _, steps = _sampled_counts(method, temperature)

@@ -259,13 +259,17 @@ class _Level:
 
 
 def _levels(positions: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor) -> list[_Level]:
-    """A tree call's tokens grouped by position, shallowest first (a level's parents lie one position before); the
-    tree is read back once."""
+    """A tree call's tokens grouped by position (`_host_levels`), the tree read back once."""
     at, own, parent = torch.stack([positions, slots.to(positions.device), parents.to(positions.device)]).tolist()
+    return _host_levels(at, own, parent, positions.device)
+
+
+def _host_levels(at: list[int], own: list[int], parent: list[int], device) -> list[_Level]:
+    """A tree call's tokens grouped by position, shallowest first (a level's parents lie one position before)."""
     levels = []
     for position in sorted(set(at)):
         rows = [row for row, p in enumerate(at) if p == position]
-        levels.append(_Level(position, torch.tensor(rows, device=positions.device), [parent[r] for r in rows],
+        levels.append(_Level(position, torch.tensor(rows, device=device), [parent[r] for r in rows],
                              [own[r] for r in rows]))
     return levels
 
@@ -344,27 +348,32 @@ class TargetRuntime:
         lo: int,
         hi: int,
         h: torch.Tensor,
-        positions: Positions,
+        positions: Positions | list[int],
         *,
-        slots: torch.Tensor | None = None,
+        slots: torch.Tensor | list[int] | None = None,
         mask: torch.Tensor | None = None,
-        parents: torch.Tensor | None = None,
+        parents: torch.Tensor | list[int] | None = None,
         capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run layers [lo, hi) on h [1, T, D] at `positions` [T] (a range where they are contiguous).
 
         KV goes to `slots` (default: the positions). `mask` [T, kv_end] says which cache slots each token sees
         (default: every slot up to its own, i.e. causal). A tree (slots given) through linear-attention layers also
-        needs `parents` [T]: the slot of the token each one continues. Returns the output and the hidden states h[k]
-        for k in `capture` within [lo, hi] (h[0] = embedding, h[k] = output of layer k, pre-norm).
+        needs `parents` [T]: the slot of the token each one continues. A tree's positions, slots and parents may come
+        as host lists (the caller knows them: then nothing about the tree is read back). Returns the output and the
+        hidden states h[k] for k in `capture` within [lo, hi] (h[0] = embedding, h[k] = output of layer k, pre-norm).
         """
+        host = (positions, slots, parents) if isinstance(slots, list) else None
+        if host is not None:
+            positions, slots = (torch.tensor(values, device=self.device) for values in host[:2])
+            parents = None if host[2] is None else torch.tensor(host[2], device=self.device)
         attn_mask = self.cache.begin(positions, None if slots is None else slots.to(self.device),
                                      None if mask is None else mask.to(self.device))
         positions = self.cache.write if slots is None else positions.to(self.device)  # contiguous: where they write
         branched = slots is not None and any(t == "linear_attention" for t in self.layer_types[lo:hi])
         if branched and parents is None:
             raise ValueError("a tree through linear-attention layers needs each token's parent slot (parents=)")
-        levels = _levels(positions, slots, parents) if branched else []
+        levels = [] if not branched else _host_levels(*host, self.device) if host else _levels(positions, slots, parents)
         position_ids = positions[None]
         rope = self.backbone.rotary_emb(h, position_ids)
         captured = {lo: h} if lo in capture else {}

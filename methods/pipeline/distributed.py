@@ -113,7 +113,8 @@ class DistributedExecutor(StageExecutor):
             call = self.stage_call(level, chain, base, kv_end)
             outgoing.append((rank, call.hidden))
             if not chain:
-                outgoing += [(rank, call.slots), (rank, call.mask.to(torch.uint8)), (rank, call.parents)]
+                slots, parents = (torch.tensor(v, device=self.device) for v in (call.slots, call.parents))
+                outgoing += [(rank, slots), (rank, call.mask.to(torch.uint8)), (rank, parents)]
             incoming.append((rank, self._buffer(stage, len(level))))
         self.channel.control(ADVANCE, int(chain), kv_end, tail=counts + positions)
         self.channel.exchange(outgoing, incoming)

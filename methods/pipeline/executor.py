@@ -28,10 +28,11 @@ class StageCall:
     hi: int
     wanted: tuple[int, ...]
     hidden: torch.Tensor  # [1, B, D]
-    positions: Positions  # a chain's one position as a range; a tree level's [B] (siblings share it)
-    slots: torch.Tensor | None  # trees: sibling KV slots [B]
+    # The tree's shape is the host's (lists): the runtime groups a tree's levels without reading anything back.
+    positions: Positions | list[int]  # a chain's one position as a range; a tree level's [B] (siblings share it)
+    slots: list[int] | None  # trees: sibling KV slots [B]
     mask: torch.Tensor | None  # trees: [B, kv_end]
-    parents: torch.Tensor | None  # trees: the slot each token continues [B] (linear-attention layers)
+    parents: list[int] | None  # trees: the slot each token continues [B] (linear-attention layers)
 
 
 class StageExecutor(ABC):
@@ -80,11 +81,10 @@ class StageExecutor(ABC):
         lo, hi = self.bounds[level[0].depth]
         positions, slots, mask, parents = range(level[0].position, level[0].position + 1), None, None, None
         if not chain:
-            positions = torch.full((len(level),), level[0].position, device=self.device)
-            slots = torch.tensor([t.slot for t in level], device=self.device)
+            positions = [level[0].position] * len(level)
+            slots = [t.slot for t in level]
             mask = tree_mask(level, base, kv_end)
-            parents = torch.tensor([t.position - 1 if t.parent is None else t.parent.slot for t in level],
-                                   device=self.device)
+            parents = [t.position - 1 if t.parent is None else t.parent.slot for t in level]
         return StageCall(lo, hi, tuple(layer for layer in self.capture if lo < layer <= hi),
                          torch.cat([t.hidden for t in level], dim=1), positions, slots, mask, parents)
 
