@@ -202,7 +202,8 @@ class Runner:
                     output, pairs = generation.output_ids, pairs + 1
                     tokens += len(output)
                     seconds += generation.timing.get("prefill", 0.0) + generation.timing.get("decode", 0.0)
-                answers.append(tokenizer.decode(output, skip_special_tokens=True))
+                if turn < len(turns):  # the history the next turn's prompt holds
+                    answers.append(tokenizer.decode(output, skip_special_tokens=True))
             bar.set_postfix(tok_s=f"{tokens / seconds:.1f}" if seconds else "—",
                             lossless=_flag(lossless) if lossless else "—")
             bar.update()

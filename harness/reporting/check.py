@@ -26,7 +26,7 @@ from harness.bench.config import RunConfig, default_out, load_prompts, validate
 from harness.bench.runner import Runner
 from harness.bench.sweep import missing_drafter
 from harness.reporting import intervals
-from harness.reporting.metrics import OVERALL, Summary, summarize
+from harness.reporting.metrics import OVERALL, Summary, protocol_label, summarize
 from harness.runtime.errors import HarnessError
 from harness.runtime.files import Outputs, readable_file
 from harness.runtime.models import load_model
@@ -103,8 +103,8 @@ class Outcome:
 
 def _label(s: Summary) -> str:
     params = " ".join(f"{k}={v}" for k, v in sorted(s.params.items()))
-    turns = "" if s.turns == "first" else f" [{s.turns} turns]"
-    return f"{s.model} {s.method} {params} T={s.temperature:g}{' (sim)' if s.simulated else ''}{turns}".strip()
+    sim = " (sim)" if s.simulated else ""
+    return f"{s.model} {s.method} {params} T={s.temperature:g}{sim}{protocol_label(s.turns)}".strip()
 
 
 def run_spec(rows: list[dict]) -> dict:

@@ -47,7 +47,12 @@ def config_label(s: Summary) -> str:
     params = {k: v for k, v in s.params.items() if k != "width"}
     name = (f"{s.method} {params_label(params)}" if params else s.method) + length_label(s.max_new_tokens)
     return (name + (" (sim)" if s.simulated else "") + (" [distributed]" if s.distributed else "")
-            + ("" if s.turns == "first" else f" [{s.turns} turns]"))
+            + protocol_label(s.turns))
+
+
+def protocol_label(turns: str) -> str:
+    """A label's suffix for the MT-Bench turns protocol: none for the first turn's (the paper's), else "[all turns]"."""
+    return "" if turns == "first" else f" [{turns} turns]"
 
 
 def turn_label(dataset: str, turn: int) -> str:

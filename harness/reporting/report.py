@@ -40,6 +40,7 @@ from harness.reporting.metrics import (
     find,
     length_label,
     params_label,
+    protocol_label,
     sampling_label,
     turn_label,
 )
@@ -188,7 +189,7 @@ def ablation_table(overall: list[Summary]) -> list[Table]:
             pairs.setdefault(key, {})[s.params[spec.parameter]] = s
     first, second = spec.values
     rows = [[f"{m} " + " ".join(f"{p}={v}" for p, v in zip(spec.label, values)) + length_label(tokens)
-             + (" (sim)" if sim else "") + ("" if turns == "first" else f" [{turns} turns]"), str(w), t,
+             + (" (sim)" if sim else "") + protocol_label(turns), str(w), t,
              _ci(p[first], "tokens_per_step"), _ci(p[second], "tokens_per_step"),
              _ci(p[first], "theoretical_speedup"), _ci(p[second], "theoretical_speedup")]
             for (m, *values, w, t, sim, tokens, turns), p in sorted(pairs.items(), key=str) if len(p) == 2]
@@ -390,7 +391,7 @@ def detail_table(summaries: list[Summary]) -> Table:
 
 def _dataset(s: Summary) -> str:
     """The dataset cell, with the turns protocol where it is not the first turn's."""
-    return s.dataset + ("" if s.turns == "first" else f" [{s.turns} turns]")
+    return s.dataset + protocol_label(s.turns)
 
 
 def _cells(s: Summary) -> list[str]:
