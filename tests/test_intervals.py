@@ -9,7 +9,7 @@ import pandas as pd
 
 from harness.reporting import intervals
 from harness.reporting.metrics import OVERALL, summarize
-from harness.reporting.report import csv_text
+from harness.reporting.render import csv_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,8 @@
 import re
 
 from harness.reporting.metrics import summarize
-from harness.reporting.report import latex, markdown, render_figures, tables
+from harness.reporting.render import latex, markdown, render_figures
+from harness.reporting.report import tables
 
 INTERVAL = re.compile(r" \[[-+]?\d[^\]]*\]|(?<=\d) \(n=\d+\)")  # "[1.1, 1.3]", "[2 prompts: too few]", "(n=2)"
 

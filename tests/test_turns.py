@@ -12,7 +12,7 @@ from harness.bench.data import load_samples, render_conversation
 from harness.cli import main
 from harness.reporting.export import export
 from harness.reporting.metrics import config_label, find, summarize
-from harness.reporting.report import markdown
+from harness.reporting.render import markdown
 from harness.runtime.models import load_model, stop_ids
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method

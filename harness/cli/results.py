@@ -63,7 +63,7 @@ def report(results, fmt, out, summary, replace):
       spd-bench report --results results --out reports/results.md --replace
     """
     from harness.reporting.metrics import summarize
-    from harness.reporting.report import RENDERERS, markdown_summary, render_figures
+    from harness.reporting.render import RENDERERS, markdown_summary, render_figures
     from harness.runtime.files import Outputs
     from harness.runtime.results import load_training
 

@@ -1,22 +1,17 @@
-"""The report: the paper's tables from pooled metrics, as Markdown, LaTeX or CSV (pandas frames; Markdown through
-tabulate, LaTeX as booktabs tables).
+"""The report's tables: the paper's tables and ours from pooled metrics, each a `Table` of formatted cells with its
+interval (render.py writes them as Markdown, LaTeX or CSV).
 
 Tables (in order): the summary; main blocks per (T, width); the paper's scaling tables and its ablation
 (reporting/paper.py); theoretical vs modeled vs wall-clock speedup; acceptance per position on each family's axis;
 the cycle breakdown and each family's own figures (its Method hooks); simulated vs executed; the paper's claims
 checked on the records; the paper's reference values beside ours; losslessness; every configuration by dataset.
-Empty cells show "—" and the report ends with the commands that fill the paper grid's missing configurations.
+Empty cells show "—".
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import re
 from dataclasses import dataclass
-from pathlib import Path
-
-import pandas as pd
 
 from harness.bench.data import DATASETS, MULTI_TURN
 from harness.bench.sweep import GridPoint
@@ -54,7 +49,6 @@ from harness.reporting.paper import (
     Reference,
     paper_grid,
     paper_truncation,
-    scaling_figures,
     verdicts,
 )
 
@@ -389,14 +383,14 @@ def detail_table(summaries: list[Summary]) -> Table:
     return Table("All configurations by dataset", list(COLUMNS), [_cells(s) for s in summaries])
 
 
-def _dataset(s: Summary) -> str:
+def dataset_cell(s: Summary) -> str:
     """The dataset cell, with the turns protocol where it is not the first turn's."""
     return s.dataset + protocol_label(s.turns)
 
 
 def _cells(s: Summary) -> list[str]:
     lossless = "—" if s.lossless_pct is None else f"{s.lossless_pct:.0f} ({s.identical}/{s.checked})"
-    return [s.method, _params(s.params), s.model, s.sampling, _dataset(s), "yes" if s.simulated else "no",
+    return [s.method, _params(s.params), s.model, s.sampling, dataset_cell(s), "yes" if s.simulated else "no",
             str(s.samples), str(s.new_tokens), str(s.steps), _ci(s, "tokens_per_step"), _ci(s, "l_acc"),
             _ci(s, "theoretical_speedup"), _ci(s, "modeled_speedup"), _wall(s),
             _ci(s, "tokens_per_second", 1), lossless]
@@ -418,126 +412,3 @@ def tables(summaries: list[Summary]) -> list[Table]:
             + reference_table(summaries)
             + lossless_table(overall)
             + [detail_table(summaries)])
-
-
-# --- renderers ---------------------------------------------------------------------------------------------------
-def _frame(header: list[str], rows: list[list[str]]) -> pd.DataFrame:
-    return pd.DataFrame(rows, columns=header, dtype=str)
-
-
-def _markdown_table(table: Table) -> list[str]:
-    lines = [f"## {table.title}", ""]
-    if table.note:
-        lines += [table.note, ""]
-    # Cells are already formatted strings: numbers must not be re-parsed (that would drop "x" and trailing zeros).
-    return lines + [_frame(table.header, table.rows).to_markdown(index=False, disable_numparse=True,
-                                                                  colalign=_alignment(table)), ""]
-
-
-def _alignment(table: Table) -> tuple[str, ...]:
-    """Numbers (and their "—" placeholders) right-aligned, words left-aligned."""
-    def numeric(column: int) -> bool:
-        return bool(table.rows) and all(re.match(r"^([—+\-]|\d)", row[column]) for row in table.rows)
-    return tuple("right" if numeric(c) else "left" for c in range(len(table.header)))
-
-
-def _fill_commands(summaries: list[Summary]) -> list[str]:
-    missing = missing_points(summaries)
-    if not missing:
-        return []
-    return (["## Filling the empty cells", "",
-             f"{len(missing)} configurations of the paper's grid have no record yet. All of them, resumably "
-             "(missing drafters are listed with their train commands; add `--simulate` for acceptance only):", "",
-             "    spd-bench sweep --preset paper", "", "or one at a time:", ""]
-            + [f"    {p.run_command()}" for p in missing] + [""])
-
-
-def markdown(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
-    lines = ["# Results", ""]
-    for table in tables(summaries):
-        lines += _markdown_table(table)
-    for title, path in (figures or {}).items():
-        lines += [f"![{title}]({path})", ""]
-    return "\n".join(lines + _fill_commands(summaries) + [NOTES] + _busy_note(summaries))
-
-
-def markdown_summary(summaries: list[Summary]) -> str:
-    """The summary table alone, with the notes that define its columns."""
-    table = summary_table([s for s in summaries if s.dataset == OVERALL])
-    return "\n".join(_markdown_table(table) + [NOTES] + _busy_note(summaries))
-
-
-def _busy_note(summaries: list[Summary]) -> list[str]:
-    """How many timed samples were measured on a busy machine, where any were."""
-    overall = [s for s in summaries if s.dataset == OVERALL and not s.simulated]
-    busy, timed = sum(s.busy for s in overall), sum(s.samples for s in overall)
-    if not busy:
-        return []
-    return [f"busy: {busy} of {timed} timed samples ran while the machine's load average exceeded its usable cores "
-            f"(other jobs running; marked \"k busy\" beside their wall-clock figures): paired ratios survive some "
-            f"contention, absolute tokens/s do not. Rerun them alone for speed figures.", ""]
-
-
-def _latex_escape(text: str) -> str:
-    for raw, escaped in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
-                         ("·", r"$\cdot$"), ("—", "--"), ("'", "'")):
-        text = text.replace(raw, escaped)
-    return text
-
-
-def latex(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
-    """Every table as a booktabs tabular in a table float, ready to \\input into a paper."""
-    out = ["% generated by spd-bench report --format latex; needs \\usepackage{booktabs}"]
-    for table in tables(summaries):
-        frame = _frame([_latex_escape(h) for h in table.header],
-                       [[_latex_escape(cell) for cell in row] for row in table.rows])
-        caption = _latex_escape(table.title) + (f". {_latex_escape(table.note)}" if table.note else "")
-        tex = frame.to_latex(index=False, caption=caption, position="t",
-                             column_format="l" + "r" * (len(table.header) - 1))
-        out.append(tex.replace("\\begin{table}[t]\n", "\\begin{table}[t]\n\\centering\n\\small\n", 1))
-    return "\n".join(out)
-
-
-CSV_FIGURES = (("acceptance", "acceptance"), ("tokens/step", "tokens_per_step"), ("L'acc", "l_acc"),
-               ("theoretical x", "theoretical_speedup"), ("reference def. x", "reference_theoretical"),
-               ("modeled x", "modeled_speedup"), ("wall-clock x", "wall_clock_median"), ("tok/s", "tokens_per_second"))
-
-
-def csv_text(summaries: list[Summary], figures: dict[str, str] | None = None) -> str:
-    """Every configuration by dataset, each figure as a number with its interval's low and high in columns of their
-    own (empty where not measured; `prompts`: the fewest per dataset, below which intervals are unreliable)."""
-    header = ["method", "params", "model", "T", "dataset", "simulated", "samples", "prompts", "new tokens", "steps"]
-    header += [f"{name}{part}" for name, _ in CSV_FIGURES for part in ("", " low", " high")]
-    header += ["wall-clock samples", "checked", "identical"]
-    rows = []
-    for s in summaries:
-        row = [s.method, json.dumps(s.params, sort_keys=True), s.model, s.sampling, _dataset(s), s.simulated,
-               s.samples, s.fewest_prompts, s.new_tokens, s.steps]
-        for _, figure in CSV_FIGURES:
-            value = getattr(s, figure)
-            found = None if value is None else interval(s, figure)
-            row += [value, found and found.low, found and found.high]
-        rows.append(row + [len(s.wall_clock_ratios), s.checked, s.identical])
-    return pd.DataFrame(rows, columns=header).to_csv(index=False)
-
-
-RENDERERS = {"markdown": markdown, "latex": latex, "csv": csv_text}
-
-
-def render_figures(summaries: list[Summary], rows: list[dict], folder: Path, relative_to: Path,
-                   train_rows: list[dict] = ()) -> dict[str, str]:
-    """Write the report's PNG figures; returns {title: path relative to the report}."""
-    from harness.reporting import figures
-
-    overall = [s for s in summaries if s.dataset == OVERALL]
-    axes = position_axes(overall)
-    made = {spec.title: figures.scaling(spec, overall, folder / spec.file) for spec in scaling_figures(overall)}
-    made |= {
-        f"Acceptance by {' / '.join(axis.name for axis in axes)}":
-            figures.acceptance(overall, folder / "acceptance.png", axes),
-        "Tokens committed per round (draft-then-verify, T=0)": figures.accepted_lengths(rows, folder / "accepted_lengths.png"),
-        "Speedups per executed configuration": figures.speedups(overall, folder / "speedups.png"),
-        "Cycle wall breakdown": figures.cycle_breakdown(overall, folder / "cycle_breakdown.png"),
-        "Drafter learning curves": figures.learning_curves(list(train_rows), folder / "learning_curves.png"),
-    }
-    return {title: str(path.relative_to(relative_to)) for title, path in made.items() if path is not None}
