@@ -114,8 +114,8 @@ def test_an_spd_cycle_reads_back_at_most_twice(arch, width, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_an_ssd_round_reads_back_its_speculation_and_its_verdict(temperature, monkeypatch):
-    """Per round: the speculation cache's tokens at once and the verification's decision; a round whose drafts
-    missed the cache also reads back the drafts it drafts then (the synchronous rerun is left out of the count)."""
+    """Per round: the speculation cache's tokens at once (with the fallback's drafts on a miss) and the verification's
+    decision (the synchronous rerun is left out of the count)."""
     from methods.eagle3.head import EagleConfig, EagleHead
     from methods.ssd.method import SSD, SSDParams
 
@@ -132,7 +132,8 @@ def test_an_ssd_round_reads_back_its_speculation_and_its_verdict(temperature, mo
         return made.output_ids, made.steps
 
     counts, _, steps = count_generation(generate, PROMPTS)
-    assert counts.syncs <= 2 * steps + sum(misses) + len(PROMPTS), dict(counts.sites)  # + the prefill's token
+    assert sum(misses) > len(PROMPTS), misses  # rounds after the first missed the cache too
+    assert counts.syncs <= 2 * steps + len(PROMPTS), dict(counts.sites)  # + the prefill's token
 
 
 def test_the_distributed_pipeline_driver_reads_back_at_most_twice_a_cycle(tmp_path):

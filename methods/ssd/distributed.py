@@ -160,7 +160,7 @@ class DrafterServer:
         head = speculation.drafter.started(self.plan.max_len, prompt, first, self._features(prompt_len))
         base, hits, counts, per_round = prompt_len, [], dict.fromkeys(STATS[:3], 0), []
         mark = dict(timer.totals)  # a round's seconds: its fallback (on a miss), its speculation, its head update
-        drafts, cached = speculation.fallback(head, base, sampler, timer), False
+        (drafts, _), cached = speculation.fallback(head, base, sampler, timer), False
         counts["fallback_drafts"] += len(drafts) > 0
         while True:
             hits.append(int(cached))
@@ -181,7 +181,7 @@ class DrafterServer:
             drafts = cache.get((accepted, bonus))
             cached = drafts is not None
             if drafts is None:
-                drafts = speculation.fallback(head, base, sampler, timer)
+                drafts, _ = speculation.fallback(head, base, sampler, timer)
                 counts["fallback_drafts"] += len(drafts) > 0
         counts["cache_hits"] = sum(hits)
         self._send(torch.tensor(hits, dtype=torch.long))

@@ -42,7 +42,7 @@ from methods.eagle3.head import EagleConfig, EagleHead, head_tag, train_command
 from methods.rounds import DRAFT_POSITIONS, DraftShape, Rounds, rounds_on_trajectory, target_prefill, verify_round
 from methods.sampling import Sampler
 from methods.ssd.drafters import build_drafter
-from methods.ssd.speculate import OracleSpeculation, Speculation
+from methods.ssd.speculate import OracleSpeculation, Speculation, Unread
 from methods.stats import Stats, same
 
 FALLBACKS = ("jit", "none")
@@ -261,12 +261,13 @@ class SSD(Method):
             while not rounds.done:
                 base = len(prompt_ids) + rounds.base  # position of the newest committed token
                 before = dict(timer.totals)
+                tokens, unread = None, Unread()  # a fallback's tokens are read back with the speculation's
                 if drafts is None:
-                    drafts = speculation.fallback(head, base, sampler, timer)
+                    drafts, tokens = speculation.fallback(head, base, sampler, timer, unread)
                     log.fallback_drafts += len(drafts) > 0
                 log.hits.append(int(cached))
                 with timer("speculate"):
-                    cache = speculation.speculate(head, base, drafts, sampler)
+                    cache = speculation.speculate(head, base, drafts, sampler, tokens, unread)
                 with timer("verify"):
                     path, bonus, features = verify(drafts, rounds.output[-1], base, sampler)
                 new = rounds.commit_path(drafts, path, bonus)

@@ -12,7 +12,7 @@ from methods.base import Timer
 from methods.rounds import Node
 from methods.sampling import Sampler
 
-UNREAD = -1  # a draft's token while it is still on the device (filled in when its chain is read back)
+UNREAD = -1  # a draft's token while it is still on the device (filled in when `Unread.read` reads it back)
 
 
 def saguaro(probs: torch.Tensor, x: float, fan_out: int) -> torch.Tensor:
@@ -22,6 +22,25 @@ def saguaro(probs: torch.Tensor, x: float, fan_out: int) -> torch.Tensor:
     top = torch.topk(probs, min(fan_out + 1, probs.shape[-1]), dim=-1).indices
     scaled = probs.scatter(-1, top, probs.gather(-1, top) * x)
     return scaled / scaled.sum(-1, keepdim=True)
+
+
+class Unread:
+    """Drafted tokens still on the device, with the nodes they belong to: all read back in one transfer."""
+
+    def __init__(self):
+        self.parts: list[tuple[list[Node], torch.Tensor]] = []
+
+    def add(self, nodes: list[Node], tokens: torch.Tensor) -> None:
+        self.parts.append((nodes, tokens))
+
+    def read(self) -> None:
+        if not self.parts:
+            return
+        values = iter(torch.cat([tokens.reshape(-1) for _, tokens in self.parts]).tolist())
+        for nodes, _ in self.parts:
+            for node in nodes:
+                node.token = next(values)
+        self.parts.clear()
 
 
 class Speculation:
@@ -35,34 +54,44 @@ class Speculation:
         here; a subclass with state of its own returns it)."""
         return {}
 
-    def fallback(self, head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
-        """The drafts of a round nothing was cached for: k drafted now (jit, with Saguaro's q), or none."""
+    def fallback(self, head, base: int, sampler: Sampler, timer: Timer, unread: Unread | None = None
+                 ) -> tuple[list[Node], torch.Tensor | None]:
+        """The drafts of a round nothing was cached for: k drafted now (jit, with Saguaro's q), or none; with their
+        tokens on the device [k]. Given `unread`, the tokens are read back with it later (the round's speculation
+        reads them with its own), else now."""
         if self.params.fallback == "none":
-            return []
-        return self._chain(head, base, sampler, timer, self.params.saguaro_x)
+            return [], None
+        return self._chain(head, base, sampler, timer, self.params.saguaro_x, unread)
 
     def draft(self, head, base: int, sampler: Sampler, timer: Timer) -> list[Node]:
         """A synchronous round's k drafts, from the drafter's own distribution (timed as the fallback's drafting)."""
-        return self._chain(head, base, sampler, timer, 1.0)
+        return self._chain(head, base, sampler, timer, 1.0)[0]
 
-    def _chain(self, head, base: int, sampler: Sampler, timer: Timer, saguaro_x: float) -> list[Node]:
+    def _chain(self, head, base: int, sampler: Sampler, timer: Timer, saguaro_x: float, unread: Unread | None = None
+               ) -> tuple[list[Node], torch.Tensor]:
         with timer("fallback"):
-            nodes: list[Node] = []
-            self._extend(head, nodes, [-1], base, sampler, saguaro_x)
-        return nodes
+            pending = Unread() if unread is None else unread
+            chains, tokens = self._extend(head, [], [-1], base, sampler, saguaro_x, pending)
+            if unread is None:
+                pending.read()
+        return chains[0], tokens[:, 0]
 
-    def speculate(self, head, base: int, drafts: list[Node], sampler: Sampler) -> dict[tuple, list[Node]]:
-        """The speculation cache of the next round: {(accepted count, bonus token): its k drafts}."""
+    def speculate(self, head, base: int, drafts: list[Node], sampler: Sampler, tokens: torch.Tensor | None = None,
+                  unread: Unread | None = None) -> dict[tuple, list[Node]]:
+        """The speculation cache of the next round: {(accepted count, bonus token): its k drafts}. `tokens`: the
+        drafts' tokens where they are still on the device, read back with the cache's (`unread`) in one transfer."""
+        unread = Unread() if unread is None else unread
+        if tokens is None:
+            tokens = torch.tensor([d.token for d in drafts], dtype=torch.long, device=head.root.device)
         nodes = [Node(d.token, i - 1, i + 1, q=d.q) for i, d in enumerate(drafts)]
         for i in range(len(nodes)):  # the head's own states for this round's drafts
-            nodes[i].state = head.draft_rows(nodes, [i], base)
+            nodes[i].state = head.draft_rows(nodes, [i], base, tokens[i: i + 1])
         states = torch.cat([head.root] + [n.state for n in nodes], dim=1)
         logits = self.logits(states, [base + 1 + a for a in range(len(nodes) + 1)])  # after a accepted drafts
         drafted, fan_outs = len(nodes), self.params.fan_outs[: len(logits)]
         if drafted:  # had the target chosen the draft, it would have been accepted: never a guess
             logits = logits.clone()
-            logits[torch.arange(drafted, device=logits.device),
-                   torch.tensor([d.token for d in drafts], device=logits.device)] = float("-inf")
+            logits[torch.arange(drafted, device=logits.device), tokens] = float("-inf")
         ranked = torch.topk(logits, min(max(fan_outs), logits.shape[-1])).indices
         outcomes = [(accepted, rank) for accepted, fan_out in enumerate(fan_outs) for rank in range(fan_out)]
         frontier = []
@@ -70,19 +99,20 @@ class Speculation:
             frontier.append(len(nodes))
             nodes.append(Node(UNREAD, accepted - 1, accepted + 1))
         at = torch.tensor(outcomes, dtype=torch.long, device=ranked.device).reshape(-1, 2)
-        chains, guesses = self._extend(head, nodes, frontier, base, sampler, self.params.saguaro_x,
-                                       ranked[at[:, 0], at[:, 1]])
-        return {(accepted, token): chain for (accepted, _), token, chain in zip(outcomes, guesses, chains)}
+        guessed = ranked[at[:, 0], at[:, 1]]
+        unread.add([nodes[i] for i in frontier], guessed)
+        chains, _ = self._extend(head, nodes, frontier, base, sampler, self.params.saguaro_x, unread, guessed)
+        unread.read()  # every token of the round at once: the drafts', the guesses' and their chains'
+        return {(accepted, nodes[i].token): chain for (accepted, _), i, chain in zip(outcomes, frontier, chains)}
 
     def _extend(self, head, nodes: list[Node], frontier: list[int], base: int, sampler: Sampler, saguaro_x: float,
-                tokens: torch.Tensor | None = None) -> tuple[list[list[Node]], list[int]]:
+                unread: Unread, tokens: torch.Tensor | None = None) -> tuple[list[list[Node]], torch.Tensor]:
         """k drafts below each frontier node (-1: the root), all frontier rows in each drafter call; returns each
-        chain as a fresh round of drafts (parents and depths from 1) and the frontier's tokens. `tokens`: the
-        frontier's tokens where they are still on the device. Every token stays there until the last step, then all
-        are read back at once."""
+        chain as a fresh round of drafts (parents and depths from 1) and the chains' tokens [k, rows] on the device.
+        `tokens`: the frontier's tokens where they are still on the device. No token is read back here: each new
+        node's is left to `unread`."""
         chains: list[list[Node]] = [[] for _ in frontier]
         drawn = [] if tokens is None else [tokens]  # the frontier's tokens, then each step's drafts
-        levels = [] if tokens is None else [frontier]  # the nodes each row of `drawn` fills in
         for step in range(self.params.k):
             if step or frontier != [-1]:
                 states = head.draft_rows(nodes, frontier, base, drawn[-1] if drawn else None)
@@ -98,16 +128,10 @@ class Speculation:
                 nodes.append(Node(UNREAD, parent, depth, q=q))
                 children.append(len(nodes) - 1)
                 chain.append(Node(UNREAD, len(chain) - 1, len(chain) + 1, q=q))
+            unread.add([nodes[i] for i in children], drafts)
+            unread.add([chain[step] for chain in chains], drafts)
             frontier = children
-            levels.append(frontier)
-        read = torch.stack(drawn).tolist() if drawn else []  # every token at once
-        for level, row in zip(levels, read):
-            for index, token in zip(level, row):
-                nodes[index].token = token
-        for step, row in enumerate(read[len(read) - self.params.k:]):  # the chains: the last k rows
-            for chain, token in zip(chains, row):
-                chain[step].token = token
-        return chains, (read[0] if tokens is not None else [])
+        return chains, torch.stack(drawn[len(drawn) - self.params.k:])
 
     def logits(self, states: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """The drafter's full-vocabulary draft logits [R, V] for its states [1, R, D], row r drafting the token at
