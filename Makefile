@@ -87,6 +87,7 @@ regression-baseline: gate-dir   # rewrites the committed baseline from a fresh g
 	$(GATE_RUN) check --baseline $(GATE_BASELINE) --results $(GATE_DIR)/results --write --replace
 
 # On a GPU machine that has torch and transformers preinstalled and no network: no virtual environment, no
-# downloads; random models of real shapes, every method against AR, AR against HF generate (harness/bench/selfcheck.py).
+# downloads; random models of real shapes, every method against AR, AR against HF generate, then every method again
+# through the compiled step (static shapes as CUDA graphs) (harness/bench/selfcheck.py).
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.cli selfcheck --device cuda --out results/bench/selfcheck-gpu.jsonl
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.cli selfcheck --device cuda --compile on --out results/bench/selfcheck-gpu.jsonl

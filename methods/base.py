@@ -124,6 +124,12 @@ class Method(ABC):
     imports: ClassVar[dict[str, ImportFormat]] = {}  # foreign drafter formats `spd-bench import` converts
     head_export: ClassVar[HeadExport | None] = None  # `spd-bench export-head`: the trained drafter, foreign format
     serves: ClassVar[str] = ""  # what `--executor distributed` gives ranks of their own (see `served`)
+    drafts_with: ClassVar[str | None] = None  # the family whose trained drafter it uses, where not its own
+
+    @classmethod
+    def drafter_family(cls) -> str:
+        """The family its trained drafter is filed under (the drafter cache's and drafters/' folder names)."""
+        return cls.drafts_with or cls.name
 
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:
@@ -181,7 +187,8 @@ class Method(ABC):
 
     @classmethod
     def drafter(cls, params) -> tuple[str, str] | None:
-        """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter."""
+        """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter.
+        It is filed under the family `drafts_with` names, or this one's."""
         return None
 
     @classmethod

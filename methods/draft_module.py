@@ -72,7 +72,7 @@ class DraftModule(nn.Module):
         """A KV cache over `max_len` slots for decoding with this module's layers (at least one: a layout with a
         layer of its own uses slot 0), whose calls run as the target's layers do."""
         return StateCache(["full_attention"] * max(1, len(self.layers)), max_len, rewind_window=0,
-                          device=next(self.parameters()).device, step=self._step)
+                          device=next(self.parameters()).device, step=self._step, owner=self)
 
     def start_as_identity(self) -> DraftModule:
         """Zero every layer's residual-branch output (attention o_proj, MLP down_proj): training then starts from

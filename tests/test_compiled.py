@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tiny_models import tiny_model
 
 from harness.cli import main
-from harness.runtime.compiled import CompiledStep
+from harness.runtime.compiled import CompiledStep, StaticCall
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
@@ -95,14 +95,82 @@ def test_a_warm_step_never_recompiles():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+STATIC_SHAPES: set[tuple] = set()  # the call signatures (`_signature`) the static step ran in this process
+
+
+def _signature(layer, padded: tuple, cache) -> tuple:
+    """A static call told apart from others: the model it is a layer of (its KV buffer, which the model's layers
+    share and keep from one generation to the next), the layer's class and its padded arguments' shapes."""
+    return (cache.keys.untyped_storage().data_ptr(), type(layer).__name__, *_shapes(padded))
+
+
+def _shapes(values: tuple) -> list:
+    flat = []
+    for value in values:
+        flat += _shapes(value) if isinstance(value, tuple) else [tuple(getattr(value, "shape", (value,)))]
+    return flat
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "lookup", "eagle3-tree", "spd", "ssd"])
+def test_the_static_step_decodes_the_same_tokens_with_one_graph_per_layer_class_and_bucket(name, monkeypatch):
+    """The shapes CUDA graphs replay (the whole buffer under a mask, rows padded to a bucket), run here on a CPU: the
+    tokens equal eager's, and whatever the prompt and cache lengths, a graph is compiled only for a call signature
+    (model, layer class, padded shapes) the process had not run before (dynamo's cache is the process's): never per
+    layer, per length or per generation."""
+    shapes = []
+    original = StaticCall.__call__
+    monkeypatch.setattr(StaticCall, "__call__", lambda self, step, layer, args, kwargs, cache: (
+        shapes.append(_signature(layer, self._pad((args, tuple(kwargs.values()))), cache)),
+        original(self, step, layer, args, kwargs, cache))[1])
+    eager = _outputs(_built(name, TargetRuntime(MODEL, max_len=256)))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    target = TargetRuntime(MODEL, max_len=256, compile=CompiledStep("on", static=True))
+    method = _built(name, target)
+    assert _outputs(method) == eager
+    for ids in ([7] * 3 + list(range(40, 77)), list(range(100, 160))):
+        method.generate(ids, 24, Sampler(SamplingConfig()))
+    assert target.engine()["compile"]["shapes"] == "static"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert shapes  # the decode steps ran in the static shapes
+    new = set(shapes) - STATIC_SHAPES
+    STATIC_SHAPES.update(shapes)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before <= len(new), sorted(new)
+
+
+def test_a_static_call_pads_its_rows_and_masks_the_rest_of_the_buffer():
+    """Three rows at slots 5..7 padded to four: the fourth writes and sees only the scratch slot above max_len, the
+    real rows see the slots up to their own, and every layer is handed the same padded rope and positions."""
+    target = TargetRuntime(MODEL, max_len=16, compile=CompiledStep("on", static=True))
+    target.forward(torch.arange(5), 0)  # the prefill shapes the buffer
+    mask = target.cache.begin(range(5, 8))
+    static = target.cache._static
+    assert (static.rows, static.size, static.write.tolist()) == (3, 4, [5, 6, 7, 16])
+    assert mask.shape == (1, 1, 4, 17)
+    assert mask[0, 0, :3].tolist() == [[c <= row for c in range(17)] for row in (5, 6, 7)]
+    assert mask[0, 0, 3].nonzero().flatten().tolist() == [16]
+    positions = torch.arange(5, 8)[None]
+    assert static._pad(positions) is static._pad(positions)  # padded once per call
+    assert static._pad(positions).tolist() == [[5, 6, 7, 7]]
+
+
+def test_the_self_check_runs_every_method_through_the_compiled_step():
+    """`make gpu-check`'s compiled pass (`selfcheck --compile on`), here on a CPU's dynamic step."""
+    from harness.bench.selfcheck import check_methods
+
+    checks = check_methods("tiny llama", MODEL, PROMPTS, 8, "on")
+    assert {c.model for c in checks} == {"tiny llama, compiled"} and len(checks) > 5
+    assert all(c.ok for c in checks), [(c.method, c.identical) for c in checks if not c.ok]
+    assert checks[0].note.startswith("dynamic shapes: ")
+
+
 def _failing(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here\nsecond line")
 
     original = CompiledStep.__init__
 
-    def init(self, mode):
-        original(self, mode)
+    def init(self, mode, *args, **kwargs):
+        original(self, mode, *args, **kwargs)
         self.step = broken
 
     monkeypatch.setattr(CompiledStep, "__init__", init)

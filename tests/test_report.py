@@ -218,11 +218,13 @@ def test_the_speedups_figure_shows_prompt_lookup_and_labels_no_empty_parameter()
 
 def test_the_speedup_table_says_which_engine_made_each_configuration():
     params = {"k": 10, "max_ngram": 3, "width": 1}
-    old, packed, compiled = (_row("lookup", params, "gsm8k") for _ in range(3))
+    old, packed, compiled, graphed = (_row("lookup", params, "gsm8k") for _ in range(4))
     packed["conditions"] = {"linears": "onednn"}
     compiled["conditions"] = {"linears": "onednn", "compile": {"engine": "inductor", "graphs": 2}}
+    graphed["conditions"] = {"linears": "default", "compile": {"engine": "inductor", "cuda_graphs": True}}
     for rows, engine in (([old], "float32, engine not recorded"), ([packed], "float32, eager, packed Linears"),
-                         ([packed, compiled], "float32, compiled, packed Linears; float32, eager, packed Linears")):
+                         ([packed, compiled], "float32, compiled, packed Linears; float32, eager, packed Linears"),
+                         ([graphed], "float32, compiled, CUDA graphs, default Linears")):
         (overall,) = [s for s in summarize(rows) if s.dataset == "overall"]
         (table,) = [t for t in tables([overall]) if t.title.startswith("Theoretical vs modeled")]
         assert table.rows[0][-1] == engine

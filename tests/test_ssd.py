@@ -326,3 +326,17 @@ def test_run_drafts_with_a_draft_model_from_the_command_line(tiny_dir, eval_dir,
     # the target drafting for itself: every round after the first found its drafts in the cache
     assert all(row["stats"]["cache_hits"] == row["steps"] - 1 and row["stats"]["synchronous_samples"] == 1
                for row in rows)
+
+
+def test_ssd_finds_the_eagle3_head_it_drafts_with(cache):
+    """SSD drafts with EAGLE-3's head, so it looks where EAGLE-3 files it (here the shipped one): a sweep does not
+    call it missing, and SSD's records are keyed by the head's weights as EAGLE-3's are."""
+    from harness.bench.config import RunConfig, drafter_fingerprint
+    from harness.bench.sweep import missing_drafter
+    from harness.runtime.models import ModelIdentity
+
+    identity = ModelIdentity("smollm2-135m", "0" * 64)
+    ssd, eagle = RunConfig(method="ssd"), RunConfig(method="eagle3")
+    assert missing_drafter(ssd, identity) is None
+    assert drafter_fingerprint(ssd, identity) == drafter_fingerprint(eagle, identity) is not None
+    assert drafter_fingerprint(RunConfig(method="ssd", params={"draft_model": "x"}), identity) is None

@@ -130,7 +130,7 @@ def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
     if needed is None:
         return None
     tag, command = needed
-    folder = checkpoints.find(identity, config.method, tag, config.checkpoint)
+    folder = checkpoints.find(identity, cls.drafter_family(), tag, config.checkpoint)
     return folder, command
 
 

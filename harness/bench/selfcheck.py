@@ -3,7 +3,8 @@
 Randomly initialised models of real shapes (a Qwen3.5-4B-shaped hybrid of Gated DeltaNet and gated attention
 layers, and a Qwen3-4B-shaped one with attention only; `--shapes tiny` for a CPU) run every method at T=0 on random
 prompts, checked token by token against the harness's greedy AR; the harness's AR is timed against HF `generate`;
-the distributed executor runs its ranks on the same device. Drafters are random too, so to reach the accept paths
+the distributed executor runs its ranks on the same device; with `--compile on` every method runs again through the
+compiled step (on CUDA: static shapes replayed as CUDA graphs), checked against the eager AR. Drafters are random too, so to reach the accept paths
 an oracle proposes AR's next token part of the time. Random weights leave many near-ties, where two correct kernels
 may pick different tokens: a divergence whose top-2 logit margin is below `TIE` is reported as a tie, not a failure.
 """
@@ -84,17 +85,23 @@ def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     return [case for cls in REGISTRY.values() for case in cls.selfcheck_cases(target)]
 
 
-def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int) -> list[Check]:
+def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int, compile: str = "off") -> list[Check]:
+    """Every method against the eager AR's tokens, on a runtime compiled as `compile` says (labelled so)."""
     from harness.runtime.lossless import compare
     from methods.base import build_method
     from methods.sampling import Sampler, SamplingConfig
 
-    target = TargetRuntime(model, max_len=max(map(len, prompts)) + new_tokens + 64)
+    max_len = max(map(len, prompts)) + new_tokens + 64
+    eager = TargetRuntime(model, max_len=max_len)
     greedy = Sampler(SamplingConfig())
-    ar = build_method("autoregressive", target, {}, set())
-    references = [ar.generate(p, new_tokens, greedy).output_ids for p in prompts]
+    references = [build_method("autoregressive", eager, {}, set()).generate(p, new_tokens, greedy).output_ids
+                  for p in prompts]
+    target = eager if compile == "off" else TargetRuntime(model, max_len=max_len, compile=compile)
+    if compile != "off":
+        name = f"{name}, compiled"
     checks = []
-    for label, method in [("autoregressive", ar), *_methods(target)]:
+    for label, method in [("autoregressive", build_method("autoregressive", target, {}, set())),
+                          *_methods(target)]:
         identical = ties = tokens = steps = 0
         seconds = 0.0
         for prompt, reference in zip(prompts, references):
@@ -108,7 +115,16 @@ def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int) -
             seconds += generation.timing.get("decode", 0.0)
         checks.append(Check(name, label, len(prompts), identical, ties, round(tokens / max(steps, 1), 3),
                             round(tokens / seconds, 1) if seconds else 0.0))
+    if compile != "off":
+        checks[0].note = _engine_note(target.engine()["compile"])
     return checks
+
+
+def _engine_note(compiled: dict) -> str:
+    if compiled["engine"] != "inductor":
+        return f"ran eager: {compiled['why']}"
+    graphs = ", CUDA graphs" if compiled["cuda_graphs"] else ""
+    return f"{compiled['shapes']} shapes{graphs}: {compiled['graphs']} graphs in {compiled['compile_s']} s"
 
 
 def time_against_hf(name: str, model, prompts: list[list[int]], new_tokens: int) -> Check:
@@ -183,7 +199,8 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
     return checks
 
 
-def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: torch.dtype) -> list[Check]:
+def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: torch.dtype, compile: str = "off"
+              ) -> list[Check]:
     if shape not in SHAPES:
         raise HarnessError(f"--shapes must be one of {', '.join(SHAPES)}, got {shape!r}")
     generator = torch.Generator().manual_seed(0)
@@ -196,6 +213,8 @@ def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: tor
         name = f"{arch} ({'random, real shape' if shape == 'real' else 'tiny'})"
         checks += check_methods(name, model, batch, new_tokens)
         checks.append(time_against_hf(name, model, batch, new_tokens))
+        if compile != "off":
+            checks += check_methods(name, model, batch, new_tokens, compile)
         del model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -218,9 +218,12 @@ def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, de
 @click.option("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 on CPU.")
 @click.option("--prompts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
+              help="Also run every method through the compiled step (on CUDA: static shapes as CUDA graphs), "
+                   "checked against the eager AR.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/selfcheck.jsonl"),
               show_default=True)
-def selfcheck(device, shapes, dtype, prompts, max_new_tokens, out):
+def selfcheck(device, shapes, dtype, prompts, max_new_tokens, compile_mode, out):
     """Every method against AR on random real-shape models, and AR against HF generate (no downloads).
 
     \b
@@ -232,7 +235,8 @@ def selfcheck(device, shapes, dtype, prompts, max_new_tokens, out):
     from harness.runtime.results import ResultStore
 
     resolve_device(device)  # a missing CUDA device fails here, in one line
-    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(dtype or default_dtype(device)))
+    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(dtype or default_dtype(device)),
+                             compile_mode)
     store = ResultStore(out)
     for row in check.record(checks, device):
         store.append(row)

@@ -126,11 +126,11 @@ def ship(method, param_pairs, model, **named):
         tag, command = REGISTRY[method].drafter(parse_params(REGISTRY[method], params))
     except (ValueError, TypeError) as exc:
         raise click.BadParameter(str(exc)) from None
-    identity = load_identity(model)
-    folder = checkpoints.drafter_dir(identity, method, tag)
+    identity, family = load_identity(model), REGISTRY[method].drafter_family()
+    folder = checkpoints.drafter_dir(identity, family, tag)
     if not (folder / checkpoints.CONFIG).exists():
-        raise HarnessError(f"no {method} drafter with {tag} in the cache; train one with: {command}")
-    dest = checkpoints.ship(folder, checkpoints.shipped_dir(identity, method, tag))
+        raise HarnessError(f"no {family} drafter with {tag} in the cache; train one with: {command}")
+    dest = checkpoints.ship(folder, checkpoints.shipped_dir(identity, family, tag))
     click.echo(f"shipped: {dest} ({(dest / checkpoints.WEIGHTS).stat().st_size / 2**20:.1f} MiB)")
 
 

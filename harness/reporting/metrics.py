@@ -96,9 +96,11 @@ def engine_label(row: dict) -> str:
     conditions = row.get("conditions") or {}
     if "linears" not in conditions:
         return f"{row.get('dtype', '?')}, engine not recorded"
-    compiled = (conditions.get("compile") or {}).get("engine") == "inductor"
+    compiled = conditions.get("compile") or {}
+    engine = "eager" if compiled.get("engine") != "inductor" else \
+        "compiled, CUDA graphs" if compiled.get("cuda_graphs") else "compiled"
     linears = _LINEARS.get(conditions["linears"], conditions["linears"])
-    return f"{row.get('dtype', '?')}, {'compiled' if compiled else 'eager'}, {linears}"
+    return f"{row.get('dtype', '?')}, {engine}, {linears}"
 
 
 @dataclass

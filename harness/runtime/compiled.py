@@ -13,9 +13,16 @@ in a fraction of the time.
 What it buys depends on the machine. On a 2-core AVX2 CPU the embedded model's step is bound by its Linear kernels
 (76% of its op time in oneDNN's packed Linear), and inside a graph the Linears run inductor's choice (MKL's `mm`:
 its oneDNN lowering packs only weights frozen as constants, which a step shared by every layer takes as inputs), so
-the compiled step measured 45.0 ms against eager's 43.4. CUDA graphs (`mode="reduce-overhead"`) are not used: the
-cache length grows every step, and a graph is recorded per shape, so they wait for a step over the whole
-preallocated cache with a mask.
+the compiled step measured 45.0 ms against eager's 43.4.
+
+On CUDA the step is static and graphed (`mode="reduce-overhead"`): a graph is recorded per shape, and the cache
+length grows every step, so a static call (`StaticCall`) reads and writes the whole preallocated buffer under a
+mask and pads its query rows to a bucket (1, 2, 4, .. 64 rows): a handful of shapes per layer class, whatever the
+length. A padded row writes a scratch slot above the buffer's max_len and sees only it. Calls longer than the
+largest bucket (a prompt's prefill) run eagerly. Each call's output is copied out of the graphs' memory pool, so a
+tensor a method keeps across steps (a pipeline stage's output, captured features) is never overwritten by a later
+replay. Tests run the static form on CPU (`static=True`); on a CPU the dynamic step is the faster one, since attending
+over the whole buffer costs more than the launches it saves there.
 """
 
 from __future__ import annotations
@@ -29,6 +36,13 @@ from harness.runtime.errors import HarnessError, first_line
 
 
 GRAPHS = 64  # the most graphs the layer step may hold
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the query lengths a static call pads to; longer calls run eagerly
+RECORDINGS = 4096  # CUDA graphs recorded per step: one per layer and shape (each layer's weights live apart)
+
+
+def bucket(rows: int) -> int | None:
+    """The static shape a call of `rows` query rows pads to (None: longer than any)."""
+    return next((size for size in BUCKETS if size >= rows), None)
 
 
 class LayerKV:
@@ -49,22 +63,82 @@ def _layer_step(layer, *args, **kwargs):
     return layer(*args, **kwargs)
 
 
+def _static_layer_step(layer, *args, **kwargs):
+    """The static step's own function, so its graphs (static shapes) and the dynamic step's never share a cache."""
+    return layer(*args, **kwargs)
+
+
+class StaticCall:
+    """One runtime call (`StateCache.begin`) in the static step's shapes: its `rows` query rows padded to `size`, the
+    slots they `write` (a padded row's: the scratch slot) and the `mask` [1, 1, size, slots] over the whole buffer
+    (a padded row sees only the scratch slot, so its softmax stays finite). A layer's per-token arguments ([B, rows,
+    ...]: hidden states, positions, rope) are padded with their last row, once per call for those every layer shares,
+    and a layer's padded output goes to the next layer as it is."""
+
+    def __init__(self, rows: int, size: int, write: torch.Tensor, mask: torch.Tensor):
+        self.rows, self.size, self.write, self.mask = rows, size, write, mask
+        self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(argument) -> (argument, padded)
+
+    def __call__(self, step: CompiledStep, layer, args: tuple, kwargs: dict, cache: LayerKV) -> torch.Tensor:
+        out = step(layer, *self._pad(args), cache=cache, **{name: self._pad(v) for name, v in kwargs.items()})
+        if self.size == self.rows:
+            return out
+        view = out[:, : self.rows]
+        self._padded[id(view)] = (view, out)
+        return view
+
+    def _pad(self, value):
+        if isinstance(value, tuple):
+            return tuple(self._pad(v) for v in value)
+        if (self.size == self.rows or not isinstance(value, torch.Tensor) or value is self.mask or value.dim() < 2
+                or value.shape[1] != self.rows):
+            return value
+        known = self._padded.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        padded = torch.cat([value, value[:, -1:].expand(-1, self.size - self.rows, *value.shape[2:])], 1)
+        self._padded[id(value)] = (value, padded)
+        return padded
+
+
 class CompiledStep:
     """The compiled layer call and what compiling cost: `seconds` spent in calls that compiled a graph, the
     `graphs` they compiled (dynamo's cache is the process's: a graph another runtime compiled is reused). `auto`
     falls back to eager, saying why once, where `on` stops with a one-line error."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, device_type: str = "cpu", static: bool | None = None):
         if mode not in ("on", "auto"):
             raise ValueError(f"compile mode {mode!r} is not one of on, auto")
+        # Static shapes where CUDA graphs replay them (see the module doc); a test asks for them on a CPU.
+        self.static = device_type == "cuda" if static is None else static
+        self.graphed = self.static and device_type == "cuda"
         # A layer's index is an int attribute; specialising on it would compile one graph per layer.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
         # One graph per layer class (target, drafter, the EAGLE-3 authors' layer) and call form (one row or many,
         # tree or chain): more than dynamo's default of 8 for one function, and a bounded set.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
         self.mode = mode
-        self.step = torch.compile(_layer_step, dynamic=True, fullgraph=True)
+        if self.graphed:  # every layer's weights are the graph's inputs at addresses of their own: one recording each
+            torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit = RECORDINGS
+        self.step = torch.compile(_static_layer_step, dynamic=False, fullgraph=True,
+                                  mode="reduce-overhead" if self.graphed else None) if self.static else \
+            torch.compile(_layer_step, dynamic=True, fullgraph=True)
         self.seconds, self.graphs, self.failed = 0.0, 0, None
+        self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def buffer(self, owner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The KV buffer a static cache of `owner` (the model whose layers it serves) writes, and its per-layer views:
+        one per owner and shape, kept from one generation to the next, so the graphs recorded on it replay there (a
+        fresh buffer would have them recorded anew)."""
+        key = (id(owner), shape, dtype, str(device))
+        if key not in self._buffers:
+            buffer = torch.zeros(shape, dtype=dtype, device=device)
+            views = buffer.unbind(0)
+            for view in views:  # graphs write them in place: addresses that stay put, not inputs to copy in
+                torch._dynamo.mark_static_address(view)
+            self._buffers[key] = (buffer, views)
+        return self._buffers[key]
 
     def __call__(self, layer, *args, cache: LayerKV, **kwargs) -> torch.Tensor:
         """layer(*args, cache=cache, **kwargs), compiled."""
@@ -72,9 +146,13 @@ class CompiledStep:
             return _layer_step(layer, *args, cache=cache, **kwargs)
         before, start = _graphs(), time.perf_counter()
         try:
+            if self.graphed:  # nothing a replay wrote before is still read from the pool (outputs are copied out)
+                torch.compiler.cudagraph_mark_step_begin()
             out = self.step(layer, *args, cache=cache, **kwargs)
         except Exception as exc:  # a graph that cannot be built fails before it runs: nothing was written
             return self._fail(exc, layer, *args, cache=cache, **kwargs)
+        if self.graphed:
+            out = out.clone()
         if _graphs() > before:
             self.seconds += time.perf_counter() - start
             self.graphs += _graphs() - before
@@ -92,7 +170,8 @@ class CompiledStep:
         """What a record says about the engine: compiled or fallen back, graphs and compile seconds so far."""
         if self.failed is not None:
             return {"mode": self.mode, "engine": "eager", "why": self.failed}
-        return {"mode": self.mode, "engine": "inductor", "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
+        return {"mode": self.mode, "engine": "inductor", "shapes": "static" if self.static else "dynamic",
+                "cuda_graphs": self.graphed, "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
 
 
 def _graphs() -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.runtime.compiled import CompiledStep, LayerKV
+from harness.runtime.compiled import CompiledStep, LayerKV, StaticCall, bucket
 from harness.runtime.kernels import pack_linears
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
@@ -69,9 +69,10 @@ class StateCache:
     """
 
     def __init__(self, layer_types: list[str], max_len: int, rewind_window: int, device: torch.device | str = "cpu",
-                 step: CompiledStep | None = None):
+                 step: CompiledStep | None = None, owner=None):
         self.layer_types = layer_types
         self.step = step  # the compiled layer step attention layers run through (None: eager)
+        self.owner = owner  # the model whose layers it serves: a static step keeps its buffer from one cache to the next
         self.device = torch.device(device)
         self.max_len = max_len
         # Every attention layer's keys and values in one buffer [2 * layers, B, heads, max_len, head dim] (layer i's
@@ -79,6 +80,8 @@ class StateCache:
         self.pair = {i: k for k, i in enumerate(i for i, kind in enumerate(layer_types) if kind == "full_attention")}
         self.kv: torch.Tensor | None = None
         self._views: tuple[torch.Tensor, ...] | None = None  # this call's views of kv up to kv_end
+        self._whole: tuple[torch.Tensor, ...] | None = None  # the static step's views of all of kv
+        self._static: StaticCall | None = None  # this call in the static step's shapes (None: as it comes)
         self.rewind_window = rewind_window
         self.linear: dict[int, dict[int, _Row]] = {i: {} for i, kind in enumerate(layer_types)
                                                    if kind == "linear_attention"}
@@ -113,15 +116,35 @@ class StateCache:
             torch._assert_async((slots < self.kv_end).all(), "a slot lies outside the mask's columns")
         if self.kv_end > self.max_len:
             raise ValueError(f"sequence length {self.kv_end} exceeds the cache's max_len {self.max_len}")
-        self._views, self._rows_layer = None, None
+        self._views, self._rows_layer, self._static = None, None, None
+        if mask is not None and mask.shape != (count, self.kv_end):
+            raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(count, self.kv_end)}")
+        size = bucket(count) if self.step is not None and self.step.static and self.kv is not None else None
+        if size is not None:
+            self._static = self._static_call(count, size, mask)
+            return self._static.mask
         if mask is None:
             if count == 1:
                 return None
             keys = torch.arange(self.kv_end, device=self.device)
             return (keys[None, :] <= self.write[:, None])[None, None]
-        if mask.shape != (count, self.kv_end):
-            raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(count, self.kv_end)}")
         return mask.to(torch.bool)[None, None]
+
+    def _static_call(self, rows: int, size: int, mask: torch.Tensor | None) -> StaticCall:
+        """This call over the whole buffer, its rows padded to `size` (the last slot is the padded rows' scratch)."""
+        slots = self.kv.shape[3]
+        columns = torch.arange(slots, device=self.device)
+        if mask is not None:
+            seen = torch.cat([mask.to(torch.bool), mask.new_zeros((rows, slots - self.kv_end), dtype=torch.bool)], 1)
+        elif rows == 1:
+            seen = (columns < self.kv_end)[None]
+        else:  # causal
+            seen = columns[None, :] <= self.write[:, None]
+        write = self.write
+        if size > rows:
+            seen = torch.cat([seen, (columns == slots - 1)[None].expand(size - rows, slots)])
+            write = torch.cat([write, write.new_full((size - rows,), slots - 1)])
+        return StaticCall(rows, size, write, seen[None, None])
 
     # --- attention layers -------------------------------------------------------------------------------------
     def call(self, layer, layer_idx: int, *args, **kwargs) -> torch.Tensor:
@@ -129,11 +152,22 @@ class StateCache:
         is one and the buffer exists (the first call shapes it, eagerly), else eagerly with this cache."""
         if self.step is None or self.kv is None:
             return layer(*args, cache=self, **kwargs)
+        if self._static is not None:
+            pair = 2 * self.pair[layer_idx]
+            return self._static(self.step, layer, args, kwargs,
+                                LayerKV(self._whole[pair], self._whole[pair + 1], self._static.write))
+        if self.step.static:  # longer than any static shape (a prompt): eagerly
+            return layer(*args, cache=self.layer(layer_idx), **kwargs)
         return self.step(layer, *args, cache=self.layer(layer_idx), **kwargs)
 
     def update(self, key, value, layer_idx, **_):
         if self.kv is None:  # shaped and typed after the first keys
-            self.kv = key.new_zeros((2 * len(self.pair), key.shape[0], key.shape[1], self.max_len, key.shape[3]))
+            shape = (2 * len(self.pair), key.shape[0], key.shape[1], self.max_len, key.shape[3])
+            if self.step is not None and self.step.static:  # the owner's buffer, one slot more for padded rows
+                self.kv, self._whole = self.step.buffer(self.owner, (*shape[:3], self.max_len + 1, shape[4]),
+                                                        key.dtype, key.device)
+            else:
+                self.kv = key.new_zeros(shape)
         return self.layer(layer_idx).update(key, value)
 
     def layer(self, layer_idx: int) -> LayerKV:
@@ -308,8 +342,8 @@ class TargetRuntime:
         self.linears = pack_linears(model) if self.device.type == "cpu" else "default"
         # `compile`: a mode, or the step of the runtime this one drafts for (their graphs are shared)
         self.compiled = compile if isinstance(compile, CompiledStep) else \
-            None if compile == "off" else CompiledStep(compile)
-        self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device, self.compiled)
+            None if compile == "off" else CompiledStep(compile, self.device.type)
+        self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device, self.compiled, model)
         self._costs: dict[int, list[float]] = {}
 
     def engine(self) -> dict:
@@ -326,7 +360,8 @@ class TargetRuntime:
         return TargetRuntime(model, max_len=self.max_len, identity=identity, compile=self.compiled or "off")
 
     def reset(self) -> None:
-        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window, self.device, self.compiled)
+        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window, self.device, self.compiled,
+                                self.model)
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)

@@ -114,6 +114,7 @@ class SSD(Method):
     Stats = SSDStats
     positions = DRAFT_POSITIONS
     serves = "the drafter's rank"
+    drafts_with = "eagle3"  # its head is EAGLE-3's (methods/ssd/drafters.py)
 
     @classmethod
     def drafter(cls, params: SSDParams) -> tuple[str, str] | None:
