@@ -406,3 +406,28 @@ def test_threads_are_sized_to_the_cores_other_jobs_leave_unless_omp_num_threads_
         assert conditions.fit_threads() is None and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_record_is_modified_by_uncommitted_code_not_by_the_results_a_run_appends(tmp_path):
+    """A run appending to a committed results file (or a report re-rendered) leaves its records unmodified; an
+    uncommitted change to code marks them."""
+    import subprocess
+
+    from harness.runtime.provenance import tree_identity
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "reports").mkdir()
+    for name in ("code.py", "results/r.jsonl", "reports/results.md"):
+        (tmp_path / name).write_text("first\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    for name in ("results/r.jsonl", "reports/results.md"):
+        (tmp_path / name).write_text("first\nappended\n")
+    assert tree_identity(tmp_path)["modified"] is False
+    (tmp_path / "code.py").write_text("changed\n")
+    assert tree_identity(tmp_path)["modified"] is True
