@@ -82,6 +82,7 @@ class StateCache:
         self._views: tuple[torch.Tensor, ...] | None = None  # this call's views of kv up to kv_end
         self._whole: tuple[torch.Tensor, ...] | None = None  # the static step's views of all of kv
         self._static: StaticCall | None = None  # this call in the static step's shapes (None: as it comes)
+        self._columns: torch.Tensor | None = None  # the static buffer's slot indices, built once with it
         self.rewind_window = rewind_window
         self.linear: dict[int, dict[int, _Row]] = {i: {} for i, kind in enumerate(layer_types)
                                                    if kind == "linear_attention"}
@@ -132,8 +133,7 @@ class StateCache:
 
     def _static_call(self, rows: int, size: int, mask: torch.Tensor | None) -> StaticCall:
         """This call over the whole buffer, its rows padded to `size` (the last slot is the padded rows' scratch)."""
-        slots = self.kv.shape[3]
-        columns = torch.arange(slots, device=self.device)
+        slots, columns = self.kv.shape[3], self._columns
         if mask is not None:
             seen = torch.cat([mask.to(torch.bool), mask.new_zeros((rows, slots - self.kv_end), dtype=torch.bool)], 1)
         elif rows == 1:
@@ -166,6 +166,7 @@ class StateCache:
             if self.step is not None and self.step.static:  # the owner's buffer, one slot more for padded rows
                 self.kv, self._whole = self.step.buffer(self.owner, (*shape[:3], self.max_len + 1, shape[4]),
                                                         key.dtype, key.device)
+                self._columns = torch.arange(self.max_len + 1, device=key.device)
             else:
                 self.kv = key.new_zeros(shape)
         return self.layer(layer_idx).update(key, value)
