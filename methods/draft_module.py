@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from harness.runtime.kernels import pack_linears
 from harness.runtime.target import StateCache, TargetRuntime, call_layer
 
 
@@ -67,10 +68,14 @@ class DraftModule(nn.Module):
         # Shared with the target and never trained (a tuple keeps them out of this module's parameters).
         self._frozen = (target.backbone.norm, target.backbone.rotary_emb, target.backbone.embed_tokens)
         self._step = target.compiled  # decoding runs the layers as the target's do (compiled or eager)
+        self._linears = target.linears  # and its Linears on the target's kernels
 
     def state_cache(self, max_len: int) -> StateCache:
         """A KV cache over `max_len` slots for decoding with this module's layers (at least one: a layout with a
-        layer of its own uses slot 0), whose calls run as the target's layers do."""
+        layer of its own uses slot 0), whose calls run as the target's layers do; decoding starts here, so this is
+        where the module's Linears take the target's kernels (packed once; training keeps the plain path)."""
+        if self._linears == "onednn":
+            pack_linears(self)
         return StateCache(["full_attention"] * max(1, len(self.layers)), max_len, rewind_window=0,
                           device=next(self.parameters()).device, step=self._step, owner=self)
 
@@ -80,7 +85,7 @@ class DraftModule(nn.Module):
         feature) instead of from random layers."""
         with torch.no_grad():
             for name, module in self.named_modules():
-                if name.endswith(("o_proj", "down_proj")) and isinstance(module, nn.Linear):
+                if name.endswith(("o_proj", "down_proj")):  # a Linear, packed or not
                     module.weight.zero_()
         return self
 

