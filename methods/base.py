@@ -47,21 +47,43 @@ class ParityCheck(Protocol):
 
 
 class Timer:
-    """Accumulates wall-clock seconds per named component, synchronising CUDA so the numbers are real."""
+    """Accumulates seconds per named component. On CUDA a component is bracketed by two events on the current
+    stream and the events are read once, when the totals are asked for (the end of a generation): synchronising
+    around each component would drain the launch queue twice a component, several times a step, which is the
+    stall a step without read-backs avoids. An event pair measures the device's timeline from the component's start
+    to the end of its last kernel, idle waits for the host included, so a span that ends in a read-back (decode)
+    equals its wall-clock."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.totals: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def __call__(self, name: str):
         if self.cuda:
-            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((name, start, end))
+            return
         start = time.perf_counter()
         yield
-        if self.cuda:
+        self._add(name, time.perf_counter() - start)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Seconds per component so far (on CUDA: one synchronisation, here, for everything recorded since)."""
+        if self._pending:
             torch.cuda.synchronize()
-        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            for name, start, end in self._pending:
+                self._add(name, start.elapsed_time(end) / 1000)
+            self._pending.clear()
+        return self._totals
+
+    def _add(self, name: str, seconds: float) -> None:
+        self._totals[name] = self._totals.get(name, 0.0) + seconds
 
 
 @dataclass(frozen=True)

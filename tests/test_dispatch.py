@@ -151,3 +151,47 @@ def test_the_distributed_pipeline_driver_reads_back_at_most_twice_a_cycle(tmp_pa
         counts, _, steps = _counts(method)
         executor.close()
     assert counts.syncs <= 2 * steps, dict(counts.sites)
+
+
+class _Clock:
+    """Stands in for CUDA's events and synchronize on a CPU: an event records a fake device time when recorded."""
+
+    def __init__(self):
+        self.now, self.syncs = 0.0, 0
+
+    def event(self, enable_timing=False):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.at = clock.now
+
+            def elapsed_time(self, other):
+                return (other.at - self.at) * 1000  # milliseconds, as CUDA's
+
+        return Event()
+
+    def synchronize(self, *args):
+        self.syncs += 1
+
+
+def test_cuda_timing_synchronises_once_when_read_not_around_every_component(monkeypatch):
+    from methods.base import Timer
+
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", clock.synchronize)
+    timer = Timer(torch.device("cuda"))
+    with timer("decode"):
+        for _ in range(3):
+            with timer("drafter"):
+                clock.now += 0.25
+            with timer("verify"):
+                clock.now += 1.0
+    assert clock.syncs == 0
+    assert timer.totals == {"drafter": 0.75, "verify": 3.0, "decode": 3.75}
+    assert clock.syncs == 1
+    with timer("verify"):
+        clock.now += 0.5
+    assert timer.totals["verify"] == 3.5 and clock.syncs == 2
+    assert timer.totals["verify"] == 3.5 and clock.syncs == 2  # nothing new recorded: nothing to wait for

@@ -15,7 +15,7 @@ own caches, attention KV and linear-attention snapshots alike.
 
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from harness.runtime.distributed import STOP, Channel
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import Positions, TargetRuntime
+from methods.base import Timer
 from methods.pipeline.executor import StageExecutor
 from methods.pipeline.tree import Level, Token, is_chain
 from methods.stats import Executor
@@ -177,7 +178,7 @@ class StageServer:
         self.channel = Channel(wire, self.runtime.device, plan.control_size)
         self.lo, self.hi = self.plan.bounds[self.stage]
         self.wanted = self.plan.wanted(self.stage)
-        self.seconds = 0.0
+        self.timer = Timer(self.runtime.device)
 
     def serve(self) -> None:
         self.channel.serve({RESET: self._reset, TRUNCATE: lambda v: self.runtime.truncate(v[0]), MOVE: self._move,
@@ -185,13 +186,13 @@ class StageServer:
 
     def _reset(self, values: list[int]) -> None:
         self.runtime.reset()
-        self.seconds = 0.0
+        self.timer = Timer(self.runtime.device)
 
     def _move(self, values: list[int]) -> None:
         self.runtime.cache.move([values[0]], values[1])
 
     def _stats(self, values: list[int]) -> None:
-        self.channel.send(torch.tensor([self.seconds], dtype=torch.float64), 0)
+        self.channel.send(torch.tensor([self.timer.totals.get("forward", 0.0)], dtype=torch.float64), 0)
 
     def _prefill(self, values: list[int]) -> None:
         stage, length = values[:2]
@@ -220,11 +221,8 @@ class StageServer:
             slots = self._receive((count,), torch.long)
             mask = self._receive((count, kv_end), torch.uint8).bool()
             parents = self._receive((count,), torch.long)
-        start = time.perf_counter()
-        out, captured = runtime.run_layers(self.lo, self.hi, h, positions, slots=slots, mask=mask, parents=parents,
-                                           capture=self.wanted)
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        self.seconds += (time.perf_counter() - start) if step else 0.0
+        with self.timer("forward") if step else nullcontext():
+            out, captured = runtime.run_layers(self.lo, self.hi, h, positions, slots=slots, mask=mask,
+                                               parents=parents, capture=self.wanted)
         packed = torch.cat([out, *(captured[layer] for layer in self.wanted)], dim=0)
         self.channel.send(packed, 0)
