@@ -55,7 +55,7 @@ class Timer:
     equals its wall-clock."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self._totals: dict[str, float] = {}
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -63,9 +63,10 @@ class Timer:
     def __call__(self, name: str):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(self.device)  # the device's own, whichever is current
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._pending.append((name, start, end))
             return
         start = time.perf_counter()
@@ -76,7 +77,7 @@ class Timer:
     def totals(self) -> dict[str, float]:
         """Seconds per component so far (on CUDA: one synchronisation, here, for everything recorded since)."""
         if self._pending:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             for name, start, end in self._pending:
                 self._add(name, start.elapsed_time(end) / 1000)
             self._pending.clear()

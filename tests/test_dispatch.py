@@ -163,7 +163,7 @@ class _Clock:
         clock = self
 
         class Event:
-            def record(self):
+            def record(self, stream=None):
                 self.at = clock.now
 
             def elapsed_time(self, other):
@@ -181,6 +181,7 @@ def test_cuda_timing_synchronises_once_when_read_not_around_every_component(monk
     clock = _Clock()
     monkeypatch.setattr(torch.cuda, "Event", clock.event)
     monkeypatch.setattr(torch.cuda, "synchronize", clock.synchronize)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     timer = Timer(torch.device("cuda"))
     with timer("decode"):
         for _ in range(3):
