@@ -74,7 +74,7 @@ class DraftModule(nn.Module):
         """A KV cache over `max_len` slots for decoding with this module's layers (at least one: a layout with a
         layer of its own uses slot 0), whose calls run as the target's layers do; decoding starts here, so this is
         where the module's Linears take the target's kernels (packed once; training keeps the plain path)."""
-        if self._linears == "onednn":
+        if self._linears != "default":
             pack_linears(self)
         return StateCache(["full_attention"] * max(1, len(self.layers)), max_len, rewind_window=0,
                           device=next(self.parameters()).device, step=self._step, owner=self)

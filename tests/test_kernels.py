@@ -1,7 +1,10 @@
-"""The CPU kernel path of the target's Linears: oneDNN-packed weights give the plain values, a row's result does not
-depend on the rows beside it, tied weights stay tied, and gradients take the plain path."""
+"""The CPU kernel path of the target's Linears: oneDNN-packed fp32 weights and the bf16 row kernel give the plain
+values, a row's result does not depend on the rows beside it, tied weights stay tied, and gradients take the plain
+path."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import tiny_model
 
 from harness.runtime.kernels import PackedLinear, pack_linears
@@ -42,8 +45,32 @@ def test_gradients_flow_through_the_plain_path():
     assert torch.allclose(x.grad, linear.weight.sum(0).expand(3, 8))
 
 
-def test_other_dtypes_keep_the_default_path():
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 40])
+def test_the_bf16_row_kernel_sums_in_fp32_and_rows_alone_equal_rows_together(rows):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(72, 35).to(torch.bfloat16)  # 72 features: two 32-wide steps and a tail of 8
+    packed = PackedLinear(linear)
+    assert packed.kernel == "bf16-rows"
+    x = torch.randn(1, rows, 72).to(torch.bfloat16)
+    with torch.inference_mode():
+        together = packed(x)
+        exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+        alone = torch.cat([packed(x[:, i: i + 1]) for i in range(rows)], dim=1)
+    assert together.dtype == torch.bfloat16 and together.shape == (1, rows, 35)
+    assert torch.allclose(together.double(), exact, rtol=2 ** -7, atol=1e-2)  # one bf16 rounding of an fp32 sum
+    assert torch.equal(together, alone)
+
+
+def test_a_bf16_runtime_takes_the_row_kernel_with_tied_weights_still_tied():
     model = tiny_model("llama").to(torch.bfloat16)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    target = TargetRuntime(model, max_len=32)
+    assert target.linears == "bf16-rows" and isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.packed is None  # no copy
+
+
+def test_dtypes_no_kernel_serves_keep_the_default_path():
+    model = tiny_model("llama").to(torch.float16)
     assert pack_linears(model) == "default"
     assert isinstance(model.lm_head, torch.nn.Linear)
 
@@ -58,8 +85,10 @@ def test_copies_and_conversions_pack_again_or_take_the_plain_path():
         copied = copy.deepcopy(packed)
         assert copied.packed is not None and torch.equal(copied(x), packed(x))
         half = copy.deepcopy(packed).to(torch.bfloat16)
-        assert half.packed is None
+        assert half.packed is None and half.kernel == "bf16-rows"
         assert torch.allclose(half(x.bfloat16()).float(), linear(x), atol=0.1)
+        fp16 = copy.deepcopy(packed).to(torch.float16)
+        assert fp16.kernel is None and torch.allclose(fp16(x.half()).float(), linear(x), atol=0.1)
 
 
 def test_a_weight_changed_in_place_is_packed_again():
@@ -85,3 +114,4 @@ def test_a_drafter_decodes_on_the_targets_kernels_and_trains_on_the_plain_path()
         x = torch.randn(1, 3, 64, requires_grad=True)
         speculator.head(x).sum().backward()  # gradients still reach the weights
     assert speculator.head.weight.grad is not None and x.grad is not None
+
