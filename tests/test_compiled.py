@@ -96,12 +96,17 @@ def test_a_warm_step_never_recompiles():
 
 
 STATIC_SHAPES: set[tuple] = set()  # the call signatures (`_signature`) the static step ran in this process
+BUFFERS: dict[int, torch.Tensor] = {}  # every KV buffer a signature names, kept alive so no later one reuses its address
 
 
 def _signature(layer, padded: tuple, cache) -> tuple:
     """A static call told apart from others: the model it is a layer of (its KV buffer, which the model's layers
-    share and keep from one generation to the next), the layer's class and its padded arguments' shapes."""
-    return (cache.keys.untyped_storage().data_ptr(), type(layer).__name__, *_shapes(padded))
+    share and keep from one generation to the next), the layer's class and its padded arguments' shapes. A buffer
+    freed by an earlier test could come back at the same address for a new runtime, whose graphs dynamo compiles
+    anew (it guards on the buffer itself): held here, an address names one buffer for the whole process."""
+    address = cache.keys.untyped_storage().data_ptr()
+    BUFFERS.setdefault(address, cache.keys)
+    return (address, type(layer).__name__, *_shapes(padded))
 
 
 def _shapes(values: tuple) -> list:
