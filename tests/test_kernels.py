@@ -1,13 +1,14 @@
-"""The CPU kernel path of the target's Linears: oneDNN-packed fp32 weights and the bf16 row kernel give the plain
-values, a row's result does not depend on the rows beside it, tied weights stay tied, and gradients take the plain
-path."""
+"""The CPU kernel path of the target's Linears: the row kernel (fp32 and bf16 weights in panels) and oneDNN's packed
+fp32 weights give the plain values, a row's result does not depend on the rows beside it (nor, inside a compiled
+graph, on the graph), tied weights stay tied, and gradients take the plain path."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import tiny_model
 
-from harness.runtime.kernels import PackedLinear, pack_linears
+from harness.runtime import kernels
+from harness.runtime.kernels import PackedLinear, kernel_for, pack_linears
 from harness.runtime.target import TargetRuntime
 
 
@@ -28,11 +29,11 @@ def test_a_runtime_packs_its_fp32_linears_once_and_keeps_tied_weights_tied():
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the embedded model's are
     before = {name: p.clone() for name, p in model.named_parameters()}
     target = TargetRuntime(model, max_len=32)
-    assert target.linears == "onednn" and isinstance(model.lm_head, PackedLinear)
+    assert target.linears == "rows" and isinstance(model.lm_head, PackedLinear)
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
     assert {name: p for name, p in model.named_parameters()}.keys() == before.keys()  # same names, same values
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-    assert TargetRuntime(model, max_len=32).linears == "onednn"  # a second runtime finds them packed
+    assert TargetRuntime(model, max_len=32).linears == "rows"  # a second runtime finds them packed
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -45,28 +46,40 @@ def test_gradients_flow_through_the_plain_path():
     assert torch.allclose(x.grad, linear.weight.sum(0).expand(3, 8))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 40])
-def test_the_bf16_row_kernel_sums_in_fp32_and_rows_alone_equal_rows_together(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 40])
+def test_the_row_kernel_sums_in_fp32_and_rows_alone_equal_rows_together(rows, dtype):
     torch.manual_seed(rows)
-    linear = torch.nn.Linear(72, 35).to(torch.bfloat16)  # 72 features: two 32-wide steps and a tail of 8
+    linear = torch.nn.Linear(72, 136).to(dtype)  # 17 panels: a one-row call reads eight at once, others three or one
     packed = PackedLinear(linear)
-    assert packed.kernel == "bf16-rows"
-    x = torch.randn(1, rows, 72).to(torch.bfloat16)
+    assert packed.kernel == "rows" and packed.packed.shape == (17, 72, 8)
+    x = torch.randn(1, rows, 72).to(dtype)
     with torch.inference_mode():
         together = packed(x)
         exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
         alone = torch.cat([packed(x[:, i: i + 1]) for i in range(rows)], dim=1)
-    assert together.dtype == torch.bfloat16 and together.shape == (1, rows, 35)
-    assert torch.allclose(together.double(), exact, rtol=2 ** -7, atol=1e-2)  # one bf16 rounding of an fp32 sum
+        compiled = torch.compile(packed, fullgraph=True, dynamic=True)(x)  # one opaque op in a graph
+    assert together.dtype == dtype and together.shape == (1, rows, 136)
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    assert torch.allclose(together.double(), exact, **tolerance)  # one rounding of an fp32 sum
     assert torch.equal(together, alone)
+    assert torch.equal(compiled, together)
+
+
+def test_weights_the_row_kernel_does_not_take_keep_onednn_or_the_plain_path(monkeypatch):
+    assert kernel_for(torch.zeros(12, 16)) == "onednn"  # not a multiple of eight outputs
+    assert kernel_for(torch.zeros(12, 16, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(kernels, "rows_kernel_problem", lambda: "the row kernel did not build: no compiler")
+    assert kernel_for(torch.zeros(16, 16)) == "onednn"
+    assert kernel_for(torch.zeros(16, 16, dtype=torch.bfloat16)) is None
 
 
 def test_a_bf16_runtime_takes_the_row_kernel_with_tied_weights_still_tied():
     model = tiny_model("llama").to(torch.bfloat16)
     model.lm_head.weight = model.model.embed_tokens.weight
     target = TargetRuntime(model, max_len=32)
-    assert target.linears == "bf16-rows" and isinstance(model.lm_head, PackedLinear)
-    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.packed is None  # no copy
+    assert target.linears == "rows" and isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_dtypes_no_kernel_serves_keep_the_default_path():
@@ -85,7 +98,7 @@ def test_copies_and_conversions_pack_again_or_take_the_plain_path():
         copied = copy.deepcopy(packed)
         assert copied.packed is not None and torch.equal(copied(x), packed(x))
         half = copy.deepcopy(packed).to(torch.bfloat16)
-        assert half.packed is None and half.kernel == "bf16-rows"
+        assert half.kernel == "rows" and half.packed.dtype == torch.bfloat16
         assert torch.allclose(half(x.bfloat16()).float(), linear(x), atol=0.1)
         fp16 = copy.deepcopy(packed).to(torch.float16)
         assert fp16.kernel is None and torch.allclose(fp16(x.half()).float(), linear(x), atol=0.1)

@@ -87,7 +87,8 @@ class Block:
         return f"T={sampling_label(self.temperature, self.truncation)}, width {self.width}"
 
 
-_LINEARS = {"onednn": "packed Linears", "bf16-rows": "bf16 row kernel", "default": "default Linears"}
+_LINEARS = {"rows": "row kernel", "onednn": "packed Linears", "bf16-rows": "bf16 row kernel",
+            "default": "default Linears"}
 
 
 def engine_label(row: dict) -> str:

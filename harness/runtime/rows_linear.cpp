@@ -1,74 +1,114 @@
-// A Linear over bf16 weights for CPUs whose oneDNN has no bf16 path (AVX2 without bf16 units): each weight row is
-// widened to fp32 as it is read and multiplied into fp32 sums, so a decode step reads half the bytes of an fp32
-// model. Every output is summed the same way whatever the call's row count (four 8-lane partial sums over 32-element
-// steps, added in a fixed order, then the tail in order), so a row's result never depends on the rows beside it:
-// drafts verified together get the logits steps of their own would.
+// A Linear over fp32 or bf16 weights packed once into panels of eight output features ([N/8, K, 8]: a panel's K
+// rows of eight weights lie one after another), read as one stream per panel. Each output is one fp32 sum, built by
+// fused multiply-adds in input-feature order from zero whatever tile computes it, so a row's result never depends
+// on how many rows share the call: drafts verified together get the logits steps of their own would. A bf16 panel
+// is widened to fp32 as it is read, so a decode step reads half an fp32 model's bytes.
+//
+// Tiles: one token row against eight panels (a decode step: eight independent sums hide the multiply-add's latency,
+// the weights stream once) or up to four token rows against three panels (a verify or a prompt: each weight read
+// serves four rows; 12 sums, three weights and a broadcast fill AVX2's 16 registers).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 namespace {
 
-inline float reduce(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehdup_ps(s));
-  s = _mm_add_ss(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 widen(const at::BFloat16* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are an fp32's upper half
+inline __m256 load(const at::BFloat16* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are an fp32's upper half
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// One weight row against ROWS token rows (three at most: four sums each, plus the weight, fit AVX2's 16 registers).
-template <int ROWS>
-inline void dot(const at::BFloat16* w, const float* x, int64_t K, float* out, int64_t N, const float* bias) {
-  __m256 acc[ROWS][4];
+inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+
+// ROWS token rows (x: [ROWS, K] at stride K) against PANELS consecutive panels; out at stride N.
+template <int ROWS, int PANELS, typename W>
+inline void tile(const float* x, const W* panels, int64_t K, const float* bias, float* out, int64_t N) {
+  __m256 acc[ROWS][PANELS];
+  #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
-    for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32)
-    for (int u = 0; u < 4; ++u) {
-      const __m256 wu = widen(w + k + 8 * u);
-      for (int r = 0; r < ROWS; ++r)
-        acc[r][u] = _mm256_fmadd_ps(wu, _mm256_loadu_ps(x + r * K + k + 8 * u), acc[r][u]);
+    #pragma GCC unroll 8
+    for (int p = 0; p < PANELS; ++p) acc[r][p] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[PANELS];
+    #pragma GCC unroll 8
+    for (int p = 0; p < PANELS; ++p) w[p] = load(panels + (p * K + k) * 8);
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+      #pragma GCC unroll 8
+      for (int p = 0; p < PANELS; ++p) acc[r][p] = _mm256_fmadd_ps(w[p], xr, acc[r][p]);
     }
-  for (int r = 0; r < ROWS; ++r) {
-    float s = reduce(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
-    for (int64_t t = k; t < K; ++t) s += static_cast<float>(w[t]) * x[r * K + t];
-    out[r * N] = bias ? s + *bias : s;
   }
+  #pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+    #pragma GCC unroll 8
+    for (int p = 0; p < PANELS; ++p) {
+      __m256 sum = acc[r][p];
+      if (bias) sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + 8 * p));
+      _mm256_storeu_ps(out + r * N + 8 * p, sum);
+    }
+}
+
+// Token rows in tiles of four (the last tile smaller) against the PANELS panels from `panels` on.
+template <int PANELS, typename W>
+inline void rows_tiles(const float* x, int64_t R, const W* panels, int64_t K, const float* bias, float* out,
+                       int64_t N) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) tile<4, PANELS>(x + r * K, panels, K, bias, out + r * N, N);
+  if (R - r == 3) tile<3, PANELS>(x + r * K, panels, K, bias, out + r * N, N);
+  if (R - r == 2) tile<2, PANELS>(x + r * K, panels, K, bias, out + r * N, N);
+  if (R - r == 1) tile<1, PANELS>(x + r * K, panels, K, bias, out + r * N, N);
+}
+
+template <typename W>
+void rows_times_panels(const float* x, const W* panels, const float* bias, float* out, int64_t R, int64_t K,
+                       int64_t N) {
+  const int64_t P = N / 8, group = R == 1 ? 8 : 3;  // panels a tile reads at once
+  at::parallel_for(0, (P + group - 1) / group, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g) {
+      int64_t p = g * group;
+      const int64_t end = std::min(P, p + group);
+      auto at = [&](int64_t q) {  // panel q's weights, bias and first output
+        return std::make_tuple(panels + q * K * 8, bias ? bias + 8 * q : nullptr, out + 8 * q);
+      };
+      if (end - p == 8) {
+        auto [w, b, o] = at(p);
+        tile<1, 8>(x, w, K, b, o, N);
+        continue;
+      }
+      for (; p + 3 <= end; p += 3) {
+        auto [w, b, o] = at(p);
+        rows_tiles<3>(x, R, w, K, b, o, N);
+      }
+      for (; p < end; ++p) {
+        auto [w, b, o] = at(p);
+        rows_tiles<1>(x, R, w, K, b, o, N);
+      }
+    }
+  });
 }
 
 }  // namespace
 
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
-              "rows_linear takes a contiguous 2-D bf16 weight");
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || panels.scalar_type() == at::kFloat) && panels.dim() == 3 && panels.size(2) == 8 &&
+                  panels.is_contiguous(),
+              "rows_linear takes contiguous fp32 or bf16 panels [N/8, K, 8] (pack_rows)");
   const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const int64_t R = rows.size(0), K = rows.size(1), N = weight.size(0);
-  TORCH_CHECK(K == weight.size(1), "rows_linear: input features ", K, " against the weight's ", weight.size(1));
+  const int64_t R = rows.size(0), K = rows.size(1), N = panels.size(0) * 8;
+  TORCH_CHECK(K == panels.size(1), "rows_linear: input features ", K, " against the weight's ", panels.size(1));
   at::Tensor out = at::empty({R, N}, rows.options());
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-  const float* xp = rows.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t j = lo; j < hi; ++j) {
-      const at::BFloat16* w = wp + j * K;
-      const float* bj = bp ? bp + j : nullptr;
-      int64_t r = 0;
-      for (; r + 3 <= R; r += 3) dot<3>(w, xp + r * K, K, op + r * N + j, N, bj);
-      if (R - r == 2) dot<2>(w, xp + r * K, K, op + r * N + j, N, bj);
-      if (R - r == 1) dot<1>(w, xp + r * K, K, op + r * N + j, N, bj);
-    }
-  });
+  if (bf16)
+    rows_times_panels(rows.data_ptr<float>(), panels.data_ptr<at::BFloat16>(), bp, out.data_ptr<float>(), R, K, N);
+  else
+    rows_times_panels(rows.data_ptr<float>(), panels.data_ptr<float>(), bp, out.data_ptr<float>(), R, K, N);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
   return out.to(x.scalar_type()).view(shape);
 }
 
-TORCH_LIBRARY(spd_bench, m) { m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY(spd_bench, m) { m.def("rows_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor"); }
 TORCH_LIBRARY_IMPL(spd_bench, CPU, m) { m.impl("rows_linear", &rows_linear); }
