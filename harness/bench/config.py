@@ -13,7 +13,7 @@ from harness.bench.data import TURNS, Sample, load_samples
 from harness.runtime import checkpoints
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
-from harness.runtime.models import LoadedModel, check_model_spec, default_dtype
+from harness.runtime.models import LoadedModel, check_model_spec, pick_dtype
 from methods.base import REGISTRY, Method, parse_params, recorded_params
 from methods.sampling import SamplingConfig
 
@@ -55,7 +55,7 @@ class RunConfig:
 
     @property
     def dtype_name(self) -> str:
-        return self.dtype or default_dtype(self.device)
+        return pick_dtype(self.dtype, self.device)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)

@@ -83,8 +83,8 @@ class Runner:
         self.stop_ids = stop_ids(loaded)
         self.drafter = drafter_fingerprint(config, loaded.identity)
         self.key = run_key(config, loaded.identity, loaded.device.type, self.drafter)
-        self.references = ReferenceCache(loaded, config.dtype_name, self.stop_ids)
         self.target: TargetRuntime | None = None
+        self.references: ReferenceCache | None = None  # keyed by the target's numerics: made with it
 
     def load_method(self, name: str, params: dict, longest: int) -> Method:
         """The method on this run's target, built on first use with room for `longest` prompt tokens."""
@@ -97,6 +97,8 @@ class Runner:
             max_len = longest + self.config.max_new_tokens + 256  # room for in-flight drafts and tree siblings
             self.target = TargetRuntime(self.loaded.model, max_len=max_len, identity=self.loaded.identity,
                                         compile=self.config.compile)
+            self.references = ReferenceCache(self.loaded, self.config.dtype_name, self.stop_ids,
+                                             self.target.numerics())
         return build_method(name, self.target, params, self.stop_ids, self.config.checkpoint)
 
     def todo(self, samples: list[Sample], store: ResultStore) -> list[Sample]:

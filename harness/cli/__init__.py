@@ -207,8 +207,9 @@ def main():
 model_option = click.option("--model", default=DEFAULT_MODEL, show_default=True,
                             help="Embedded model name, a local HF folder, or a hub id.")
 device_option = click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                            help="Default: float32 on CPU, bfloat16 on CUDA.")
+dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "auto"]), default=None,
+                            help="Default: float32 on CPU, bfloat16 on CUDA. auto: bfloat16 on a CPU where the "
+                                 "row kernels build (faster, and lossless like fp32), else the default.")
 compile_option = click.option(
     "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
     help="Run the target's attention layers through one torch.compile'd layer step (inductor; on CUDA with static "

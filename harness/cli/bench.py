@@ -231,11 +231,11 @@ def selfcheck(device, shapes, dtype, prompts, max_new_tokens, compile_mode, out)
       spd-bench selfcheck --device cuda
     """
     from harness.bench import selfcheck as check
-    from harness.runtime.models import default_dtype, resolve_device, resolve_dtype
+    from harness.runtime.models import pick_dtype, resolve_device, resolve_dtype
     from harness.runtime.results import ResultStore
 
     resolve_device(device)  # a missing CUDA device fails here, in one line
-    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(dtype or default_dtype(device)),
+    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(pick_dtype(dtype, device)),
                              compile_mode)
     store = ResultStore(out)
     for row in check.record(checks, device):

@@ -92,8 +92,8 @@ _LINEARS = {"rows": "row kernel", "onednn": "packed Linears", "bf16-rows": "bf16
 
 
 def engine_label(row: dict) -> str:
-    """How a record's target ran: its dtype, eager or compiled, and its Linears' kernels (records older than the
-    lean engine did not say: "engine not recorded")."""
+    """How a record's target ran: its dtype, eager or compiled, its Linears' kernels and the row attention where it
+    ran (records older than the lean engine did not say: "engine not recorded")."""
     conditions = row.get("conditions") or {}
     if "linears" not in conditions:
         return f"{row.get('dtype', '?')}, engine not recorded"
@@ -101,7 +101,8 @@ def engine_label(row: dict) -> str:
     engine = "eager" if compiled.get("engine") != "inductor" else \
         "compiled, CUDA graphs" if compiled.get("cuda_graphs") else "compiled"
     linears = _LINEARS.get(conditions["linears"], conditions["linears"])
-    return f"{row.get('dtype', '?')}, {engine}, {linears}"
+    attention = ", row attention" if conditions.get("attention") == "rows" else ""
+    return f"{row.get('dtype', '?')}, {engine}, {linears}{attention}"
 
 
 @dataclass

@@ -119,16 +119,21 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(weight.shape[0] // 8, 8, weight.shape[1]).transpose(1, 2).contiguous()
 
 
+EXTENSION, SOURCES = "spd_bench_rows", ("rows_linear.cpp", "rows_attention.cpp")  # the row kernels, built together
+
+
 @functools.cache
 def rows_kernel_problem() -> str | None:
-    """Builds and loads the row kernel once per process; returns why it cannot serve this machine, or None."""
+    """Builds and loads the row kernels (Linear and attention) once per process; returns why they cannot serve this
+    machine, or None."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     from torch.utils import cpp_extension
 
-    print("loading the row kernel (a machine's first load builds it: about a minute)", file=sys.stderr)
+    if not (Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / f"{EXTENSION}.so").exists():
+        print("building the row kernels (once per machine: about a minute)", file=sys.stderr)
     try:
-        cpp_extension.load("spd_bench_rows_linear", [str(Path(__file__).with_name("rows_linear.cpp"))],
+        cpp_extension.load(EXTENSION, [str(Path(__file__).with_name(name)) for name in SOURCES],
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False)
     except Exception as error:  # no compiler or no ninja: oneDNN (fp32) and torch's own bf16 path still work
@@ -136,9 +141,17 @@ def rows_kernel_problem() -> str | None:
         print(f"warning: Linears take oneDNN's or torch's path: the row kernel did not build ({why})", file=sys.stderr)
         return f"the row kernel did not build: {why}"
     torch.library.register_fake("spd_bench::rows_linear", _rows_linear_shape)
+    torch.library.register_fake("spd_bench::rows_attention", _rows_attention_shape)
     return None
 
 
 def _rows_linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The row kernel's output as a compiled graph sees it before running it."""
     return x.new_empty((*x.shape[:-1], panels.shape[0] * 8))
+
+
+def _rows_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """The attention kernel's output ([B, T, H, D], as HF's attention functions return it) before running it."""
+    batch, heads, rows, dim = query.shape
+    return query.new_empty((batch, rows, heads, dim))

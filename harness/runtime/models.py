@@ -16,6 +16,7 @@ import torch
 
 from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.files import replace_whole
+from harness.runtime.kernels import rows_kernel_problem
 from harness.runtime.paths import cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,15 @@ class LoadedModel:
 
 def default_dtype(device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def pick_dtype(dtype: str | None, device: str) -> str:
+    """The dtype a run asked for, its device's default when it named none, and for "auto" the fastest lossless one:
+    bf16 on a CPU where the row kernels build (they read half fp32's bytes and keep a verify row equal to a step,
+    kernels.py and attention.py), else the device's default."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cpu" and rows_kernel_problem() is None else default_dtype(device)
+    return dtype or default_dtype(device)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -199,7 +209,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokeniz
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype or default_dtype(device))
+    torch_dtype = resolve_dtype(pick_dtype(dtype, device))
     name, folder = resolve_model_dir(spec)
     identity = ModelIdentity(name=name, weights_sha256=weights_sha256(folder))
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.runtime.attention import use_rows_attention
 from harness.runtime.compiled import CompiledStep, LayerKV, StaticCall, bucket
 from harness.runtime.kernels import pack_linears
 
@@ -341,6 +342,8 @@ class TargetRuntime:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.linears = pack_linears(model) if self.device.type == "cpu" else "default"
+        self.attention = use_rows_attention(model) if self.device.type == "cpu" else \
+            self.config._attn_implementation
         # `compile`: a mode, or the step of the runtime this one drafts for (their graphs are shared)
         self.compiled = compile if isinstance(compile, CompiledStep) else \
             None if compile == "off" else CompiledStep(compile, self.device.type)
@@ -348,9 +351,17 @@ class TargetRuntime:
         self._costs: dict[int, list[float]] = {}
 
     def engine(self) -> dict:
-        """What a record says about how the target ran: its Linears' kernels and, when asked for, the compiled
-        step."""
-        return {"linears": self.linears, **({"compile": self.compiled.conditions()} if self.compiled else {})}
+        """What a record says about how the target ran: its Linears' and attention's kernels and, when asked for,
+        the compiled step."""
+        return {"linears": self.linears, "attention": self.attention,
+                **({"compile": self.compiled.conditions()} if self.compiled else {})}
+
+    def numerics(self) -> str:
+        """What besides the weights, dtype and device decides this runtime's greedy tokens: its Linears' and
+        attention's kernels and the compiled step's form (each sums in its own order, so a near-tie can fall either
+        way between two of them)."""
+        step = "eager" if self.compiled is None else "static" if self.compiled.static else "dynamic"
+        return f"{self.linears}-{self.attention}-{step}"
 
     @property
     def has_linear_layers(self) -> bool:

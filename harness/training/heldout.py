@@ -50,7 +50,7 @@ def greedy_trajectories(loaded: LoadedModel, prompts: list[list[int]], new_token
     """The target's greedy continuation of each prompt (from the reference cache when there) and its states."""
     target = TargetRuntime(loaded.model, max_len=max(len(p) for p in prompts) + new_tokens + 8,
                            identity=loaded.identity)
-    references = ReferenceCache(loaded, str(loaded.dtype).removeprefix("torch."), stop_ids)
+    references = ReferenceCache(loaded, str(loaded.dtype).removeprefix("torch."), stop_ids, target.numerics())
     ar, greedy = Autoregressive(target, None, stop_ids), Sampler(SamplingConfig())
     teachers = []
     with torch.inference_mode():

@@ -1,0 +1,68 @@
+"""The target's attention on CPU, row by row (rows_attention.cpp): each query row is computed over exactly the keys
+it sees, in slot order, so its result depends neither on the rows beside it nor on how many masked slots the call
+spans. A verify row sees more slots than the step that would have produced it; torch's attention sums over the
+call's whole key range in blocks sized by the call, so the row comes out an ulp apart, which in bf16 survives the
+layer's rounding and flips near-tied tokens. With this kernel and the row kernel's Linears (kernels.py), a bf16
+verify reproduces greedy AR's steps bit for bit through full-attention layers.
+
+It is one of HF's attention functions (`AttentionInterface`, the name `spd_rows`, masks built as for `sdpa`), set on
+the runtime's model only: HF `generate` runs on copies of its own. Calls it does not serve (gradients, dropout, a
+sliding window, attention sinks, a batch's own masks, another dtype or device) take HF's `sdpa` function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from harness.runtime.kernels import rows_kernel_problem
+
+NAME = "spd_rows"
+
+
+def use_rows_attention(model: torch.nn.Module) -> str:
+    """Point a CPU model's attention at the row kernel where it serves; returns the attention a record names: "rows"
+    or the model's own implementation."""
+    config = model.config.get_text_config()
+    current = config._attn_implementation
+    if current == NAME:
+        return "rows"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if current != "sdpa" or head_dim % 8 or rows_kernel_problem() is not None:
+        return current
+    _register()
+    model.set_attn_implementation(NAME)
+    return "rows" if config._attn_implementation == NAME else current
+
+
+@functools.cache
+def _register() -> None:
+    AttentionInterface.register(NAME, rows_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def rows_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                   is_causal: bool | None = None, **kwargs):
+    """HF's attention function signature; [B, T, H, D] out, no weights."""
+    if not _served(module, query, key, value, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.spd_bench.rows_attention(query, key, value, attention_mask, scale), None
+
+
+def _served(module, query, key, value, mask, dropout: float, kwargs: dict) -> bool:
+    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[-1] % 8:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return False
+    if (dropout and module.training) or kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
+        return False
+    return mask is None or mask.dtype == torch.bool and mask.shape[0] * mask.shape[1] == 1
+

@@ -1,0 +1,105 @@
+"""The row attention (harness/runtime/attention.py): torch's values within rounding, a row's result the same alone,
+beside other rows and under masked slots after its own, HF's own calls served or handed to sdpa, and with it every
+method's T=0 tokens in bf16 exactly greedy AR's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_model
+
+from harness.bench.selfcheck import check_methods
+from harness.runtime.attention import rows_attention
+from harness.runtime.kernels import rows_kernel_problem
+from harness.runtime.target import TargetRuntime
+
+
+def _qkv(dtype, rows=5, slots=40, heads=6, kv_heads=2, dim=24, seed=0):
+    torch.manual_seed(seed)
+    query = torch.randn(1, rows, heads, dim).to(dtype).transpose(1, 2)  # as HF hands it over: a transposed view
+    key, value = (torch.randn(1, kv_heads, slots, dim).to(dtype) for _ in range(2))
+    return query, key, value
+
+
+def _op(query, key, value, mask, scale=0.2):
+    assert rows_kernel_problem() is None  # built (and loaded) once per process
+    return torch.ops.spd_bench.rows_attention(query, key, value, mask, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_it_computes_torchs_attention_with_grouped_heads_and_any_mask(dtype):
+    query, key, value = _qkv(dtype)
+    torch.manual_seed(1)
+    mask = torch.rand(5, 40) < 0.6
+    mask[:, 0] = True  # every row sees something
+    got = _op(query, key, value, mask[None, None])
+    expected = F.scaled_dot_product_attention(query.float(), key.float().repeat_interleave(3, 1),
+                                              value.float().repeat_interleave(3, 1), attn_mask=mask, scale=0.2)
+    assert got.shape == (1, 5, 6, 24) and got.dtype == dtype
+    assert torch.allclose(got.float(), expected.transpose(1, 2), atol=1e-5 if dtype == torch.float32 else 2e-2)
+    causal = torch.ones(5, 40, dtype=torch.bool).tril(35)  # no mask: each row sees the slots up to its own
+    assert torch.equal(_op(query, key, value, None), _op(query, key, value, causal[None, None]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_alone_equals_the_row_among_others_and_under_masked_slots(dtype):
+    query, key, value = _qkv(dtype)
+    together = _op(query, key, value, None)
+    for row in range(5):
+        own = 35 + row  # the row's slot: it sees 0..own
+        alone = _op(query[:, :, row: row + 1], key[:, :, : own + 1], value[:, :, : own + 1], None)
+        assert torch.equal(alone[:, 0], together[:, row])
+    tree = torch.zeros(5, 40, dtype=torch.bool)  # a branch's rows see the prefix and their ancestors only
+    tree[:, :35] = True
+    for row, ancestors in enumerate([[35], [35, 36], [35, 37], [35, 36, 38], [35, 37, 39]]):
+        tree[row, ancestors] = True
+    branched = _op(query, key, value, tree[None, None])
+    path = [35, 36, 38]  # row 3's path, as consecutive slots would hold it once accepted
+    moved_key, moved_value = (torch.cat([t[:, :, :35], t[:, :, path]], 2) for t in (key, value))
+    alone = _op(query[:, :, 3:4], moved_key, moved_value, None)
+    assert torch.equal(alone[:, 0], branched[:, 3])
+
+
+def test_hfs_own_calls_are_served_or_handed_to_sdpa():
+    model = tiny_model("llama")
+    ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        before = model(ids).logits
+        TargetRuntime(model, max_len=32)  # sets the row attention on the model
+        assert model.config._attn_implementation == "spd_rows"
+        after = model(ids).logits  # HF's forward builds its masks as for sdpa
+    assert torch.allclose(before, after, atol=1e-5)
+    layer = model.model.layers[0].self_attn
+    with torch.inference_mode(False), torch.enable_grad():  # gradients take sdpa, which has a backward
+        query, key, value = _qkv(torch.float32, heads=4, kv_heads=2, dim=16)
+        query.requires_grad_(True)
+        out, _ = rows_attention(layer, query, key, value, None, scaling=0.25)
+        assert out.requires_grad
+
+
+def test_a_bf16_runtime_verifies_rows_exactly_as_it_steps():
+    target = TargetRuntime(tiny_model("llama").to(torch.bfloat16), max_len=64)
+    assert target.engine()["attention"] == "rows" and target.numerics() == "rows-rows-eager"
+    prompt, tokens = torch.arange(10, 30), torch.tensor([5, 77, 3, 200, 41])
+    with torch.inference_mode():
+        target.forward(prompt, 0)
+        steps = torch.cat([target.forward(tokens[i: i + 1], 20 + i)[0] for i in range(5)])
+        target.truncate(20)
+        verified, _ = target.forward(tokens, 20)
+    assert torch.equal(steps, verified)
+
+
+def test_every_method_decodes_greedy_ars_tokens_in_bf16():
+    """No tie allowed: a bf16 tiny model's logits tie often, and the kernels leave none to chance."""
+    prompts = [list(range(10, 30)), [3, 4, 5, 6] * 5]
+    checks = check_methods("tiny llama, bf16", tiny_model("llama").to(torch.bfloat16), prompts, 16)
+    assert len(checks) > 5
+    assert all(c.identical == c.samples for c in checks), [(c.method, c.identical, c.ties) for c in checks]
+
+
+def test_dtype_auto_takes_bf16_where_the_row_kernels_build(monkeypatch):
+    from harness.runtime import models
+
+    assert models.pick_dtype("auto", "cpu") == "bfloat16" and models.pick_dtype(None, "cpu") == "float32"
+    assert models.pick_dtype("auto", "cuda:0") == "bfloat16" and models.pick_dtype("float16", "cpu") == "float16"
+    monkeypatch.setattr(models, "rows_kernel_problem", lambda: "the row kernel did not build: no compiler")
+    assert models.pick_dtype("auto", "cpu") == "float32"
