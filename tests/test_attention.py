@@ -101,5 +101,13 @@ def test_dtype_auto_takes_bf16_where_the_row_kernels_build(monkeypatch):
 
     assert models.pick_dtype("auto", "cpu") == "bfloat16" and models.pick_dtype(None, "cpu") == "float32"
     assert models.pick_dtype("auto", "cuda:0") == "bfloat16" and models.pick_dtype("float16", "cpu") == "float16"
-    monkeypatch.setattr(models, "rows_kernel_problem", lambda: "the row kernel did not build: no compiler")
+    monkeypatch.setattr(models, "rows_kernel_problem", lambda: "the row kernels did not build: no compiler")
     assert models.pick_dtype("auto", "cpu") == "float32"
+
+
+def test_a_machine_without_the_kernels_keeps_sdpa(monkeypatch):
+    from harness.runtime import attention
+
+    monkeypatch.setattr(attention, "rows_kernel_problem", lambda: "the row kernels did not build: no compiler")
+    model = tiny_model("llama")
+    assert attention.use_rows_attention(model) == "sdpa" and model.config._attn_implementation == "sdpa"

@@ -69,7 +69,7 @@ def test_the_row_kernel_sums_in_fp32_and_rows_alone_equal_rows_together(rows, dt
 def test_weights_the_row_kernel_does_not_take_keep_onednn_or_the_plain_path(monkeypatch):
     assert kernel_for(torch.zeros(12, 16)) == "onednn"  # not a multiple of eight outputs
     assert kernel_for(torch.zeros(12, 16, dtype=torch.bfloat16)) is None
-    monkeypatch.setattr(kernels, "rows_kernel_problem", lambda: "the row kernel did not build: no compiler")
+    monkeypatch.setattr(kernels, "rows_kernel_problem", lambda: "the row kernels did not build: no compiler")
     assert kernel_for(torch.zeros(16, 16)) == "onednn"
     assert kernel_for(torch.zeros(16, 16, dtype=torch.bfloat16)) is None
 

@@ -52,7 +52,8 @@ def rows_attention(module, query, key, value, attention_mask, dropout: float = 0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return torch.ops.spd_bench.rows_attention(query, key, value, attention_mask, scale), None
+    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]  # as sdpa's function cuts it
+    return torch.ops.spd_bench.rows_attention(query, key, value, mask, scale), None
 
 
 def _served(module, query, key, value, mask, dropout: float, kwargs: dict) -> bool:
