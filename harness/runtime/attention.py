@@ -59,11 +59,10 @@ def rows_attention(module, query, key, value, attention_mask, dropout: float = 0
 def _served(module, query, key, value, mask, dropout: float, kwargs: dict) -> bool:
     if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[-1] % 8:
+    if key.dtype != query.dtype or value.dtype != query.dtype:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return False
     if (dropout and module.training) or kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
         return False
     return mask is None or mask.dtype == torch.bool and mask.shape[0] * mask.shape[1] == 1
-

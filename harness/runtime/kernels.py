@@ -116,10 +116,11 @@ def pack_linears(model: torch.nn.Module) -> str:
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     """The row kernel's layout of a [N, K] weight: panels of eight outputs, [N/8, K, 8], each read as one stream."""
-    return weight.view(weight.shape[0] // 8, 8, weight.shape[1]).transpose(1, 2).contiguous()
+    return weight.reshape(weight.shape[0] // 8, 8, weight.shape[1]).transpose(1, 2).contiguous()
 
 
-EXTENSION, SOURCES = "spd_bench_rows", ("rows_linear.cpp", "rows_attention.cpp")  # the row kernels, built together
+# The row kernels, built together (rows_load.h, which both include, is read through them).
+EXTENSION, SOURCES = "spd_bench_rows", ("rows_linear.cpp", "rows_attention.cpp")
 
 
 @functools.cache

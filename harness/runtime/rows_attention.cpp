@@ -9,18 +9,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "rows_load.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
-inline __m256 load(const at::BFloat16* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are an fp32's upper half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+using rows::load;
 
 inline float reduce(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

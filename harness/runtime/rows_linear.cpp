@@ -11,14 +11,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "rows_load.h"
+
 namespace {
 
-inline __m256 load(const at::BFloat16* p) {  // 8 bf16 -> 8 fp32: the bf16 bits are an fp32's upper half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+using rows::load;
 
 // ROWS token rows (x: [ROWS, K] at stride K) against PANELS consecutive panels; out at stride N.
 template <int ROWS, int PANELS, typename W>
