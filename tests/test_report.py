@@ -2,7 +2,7 @@
 
 import re
 
-from harness.reporting.metrics import summarize
+from harness.reporting.metrics import find, summarize
 from harness.reporting.render import latex, markdown, render_figures
 from harness.reporting.report import tables
 
@@ -218,13 +218,37 @@ def test_the_speedups_figure_shows_prompt_lookup_and_labels_no_empty_parameter()
 
 def test_the_speedup_table_says_which_engine_made_each_configuration():
     params = {"k": 10, "max_ngram": 3, "width": 1}
-    old, packed, compiled, graphed = (_row("lookup", params, "gsm8k") for _ in range(4))
+    old, packed, rows, graphed = (_row("lookup", params, "gsm8k") for _ in range(4))
     packed["conditions"] = {"linears": "onednn"}
-    compiled["conditions"] = {"linears": "onednn", "compile": {"engine": "inductor", "graphs": 2}}
+    rows["conditions"] = {"linears": "rows", "attention": "rows"}
     graphed["conditions"] = {"linears": "default", "compile": {"engine": "inductor", "cuda_graphs": True}}
-    for rows, engine in (([old], "float32, engine not recorded"), ([packed], "float32, eager, packed Linears"),
-                         ([packed, compiled], "float32, compiled, packed Linears; float32, eager, packed Linears"),
-                         ([graphed], "float32, compiled, CUDA graphs, default Linears")):
-        (overall,) = [s for s in summarize(rows) if s.dataset == "overall"]
+    for record, engine in ((old, "float32, engine not recorded"), (packed, "float32, eager, packed Linears"),
+                           (rows, "float32, eager, row kernel, row attention"),
+                           (graphed, "float32, compiled, CUDA graphs, default Linears")):
+        (overall,) = [s for s in summarize([record]) if s.dataset == "overall"]
         (table,) = [t for t in tables([overall]) if t.title.startswith("Theoretical vs modeled")]
         assert table.rows[0][-1] == engine
+
+
+def test_a_configuration_re_measured_on_another_engine_is_a_row_of_its_own():
+    """The same configuration (one key) timed on two engines: two summaries, each with its own engine and samples,
+    never one that pools their wall-clock; the regression gate's pooling still takes both."""
+    from harness.reporting.check import pooled
+
+    params = {"k": 10, "max_ngram": 3, "width": 1}
+    before = [_row("lookup", params, dataset) for dataset in ("gsm8k", "humaneval")]
+    after = [_row("lookup", params, dataset) for dataset in ("gsm8k", "humaneval")]
+    for row in before:
+        row["conditions"] = {"linears": "onednn"}
+        row["stats"]["finished_at"] = "2026-12-03T10:00:00"
+    for row in after:
+        row["conditions"] = {"linears": "rows", "attention": "rows"}
+        row["timing"] = {"decode": 0.5}
+        row["stats"]["finished_at"] = "2026-12-06T02:00:00"
+    summaries = summarize(after + before)
+    overall = [s for s in summaries if s.dataset == "overall"]
+    assert sorted((s.engine, s.samples) for s in overall) == [("float32, eager, packed Linears", 2),
+                                                              ("float32, eager, row kernel, row attention", 2)]
+    assert sorted(s.wall_clock_speedup for s in overall) == [2.0, 4.0]  # never their mix
+    assert find(summaries, "lookup", params, 0.0).engine == "float32, eager, row kernel, row attention"  # the latest
+    assert pooled(before + after).samples == 4

@@ -85,6 +85,17 @@ def test_duplicates_of_a_sample_count_once(tmp_path):
     assert sorted(r["question_id"] for r in loaded.rows) == [1, 2] and loaded.duplicates == 1
 
 
+def test_a_sample_timed_again_on_another_engine_is_kept_beside_the_first(tmp_path):
+    before, after = _row(1), _row(1)
+    before["conditions"] = {"linears": "onednn", "busy": False}
+    after["conditions"] = {"linears": "rows", "attention": "rows", "busy": True}
+    again = {**after, "conditions": {**after["conditions"], "busy": False}}  # the same engine: a duplicate
+    for row in (before, after, again):
+        ResultStore(tmp_path / "a.jsonl").append(row)
+    loaded = load_all(tmp_path)
+    assert [r["conditions"]["linears"] for r in loaded.rows] == ["onednn", "rows"] and loaded.duplicates == 1
+
+
 def test_a_corrupt_line_in_the_middle_is_an_error_naming_the_line(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(_row(1)) + "\nnot json\n" + json.dumps(_row(2)) + "\n")

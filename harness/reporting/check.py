@@ -134,7 +134,8 @@ def identity(spec: dict) -> str:
 
 def pooled(rows: list[dict]) -> Summary:
     """One configuration's records over all their datasets and seeds as one summary."""
-    (overall,) = [s for s in summarize([{**row, "config_key": "pooled"} for row in rows]) if s.dataset == OVERALL]
+    (overall,) = [s for s in summarize([{**row, "config_key": "pooled"} for row in rows], by_engine=False)
+                  if s.dataset == OVERALL]
     return overall
 
 
@@ -144,7 +145,7 @@ def configurations(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     for row in rows:
         by_key.setdefault(row["config_key"], []).append(row)
     found: dict[tuple[str, str], list[dict]] = {}
-    for s in summarize(rows):
+    for s in summarize(rows, by_engine=False):
         if s.dataset == OVERALL:
             found.setdefault((_label(s), identity(run_spec(by_key[s.config_key]))), []).extend(by_key[s.config_key])
     return found

@@ -165,6 +165,11 @@ class Summary:
             self.baseline_decode_s += row["baseline"]["timing"].get("decode", 0.0)
 
     @property
+    def finished(self) -> str:
+        """When its last record was written ("" where none says)."""
+        return max(((row.get("stats") or {}).get("finished_at") or "" for row, _ in self.units), default="")
+
+    @property
     def engine(self) -> str:
         """The dtypes and kernels its timed samples ran with (`engine_label`), distinct ones joined."""
         return "; ".join(sorted({engine_label(row) for row, _ in self.units if not row.get("simulated")}))
@@ -318,8 +323,11 @@ def _vector_sum(a: list, b: list) -> list:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(size)]
 
 
-def _group(row: dict) -> tuple:
-    return row["config_key"], row["method"], row["model"]["name"], row["temperature"]
+def _group(row: dict, by_engine: bool) -> tuple:
+    """A record's summary: its configuration and, where `by_engine`, the engine that timed it (a re-measurement on
+    new kernels is a row of its own beside the earlier one, never pooled with it)."""
+    engine = engine_label(row) if by_engine and not row.get("simulated") else ""
+    return row["config_key"], row["method"], row["model"]["name"], row["temperature"], engine
 
 
 def find(summaries: list[Summary], method: str, params: dict, temperature: float, dataset: str = OVERALL,
@@ -327,19 +335,19 @@ def find(summaries: list[Summary], method: str, params: dict, temperature: float
          truncation: tuple[int, float] = NO_TRUNCATION, turns: str = "first") -> Summary | None:
     """The summary matching a configuration (see Summary.matches) on `model` (default: any) under the `turns`
     protocol (default: the paper's, the first turn), executed runs before simulated ones (`simulated`: only those
-    of that kind)."""
+    of that kind), then the latest measured (a configuration re-measured on new kernels: the new engine's)."""
     found = [s for s in summaries if s.dataset == dataset and s.matches(method, params, temperature, truncation)
              and model in (None, s.model) and simulated in (None, s.simulated) and s.turns == turns]
-    return min(found, key=lambda s: s.simulated) if found else None
+    return max(found, key=lambda s: (not s.simulated, s.finished)) if found else None
 
 
-def summarize(rows: list[dict]) -> list[Summary]:
-    """One Summary per (configuration, dataset), per turn of a multi-turn set where a run decoded every turn, and one
-    per configuration over all its datasets."""
+def summarize(rows: list[dict], by_engine: bool = True) -> list[Summary]:
+    """One Summary per (configuration, engine, dataset), per turn of a multi-turn set where a run decoded every turn,
+    and one per configuration and engine over all its datasets (`by_engine` False: the engines pooled)."""
     table: dict[tuple, Summary] = {}
     for row in rows:
         for dataset in _datasets(row):
-            key = (*_group(row), dataset)
+            key = (*_group(row, by_engine), dataset)
             if key not in table:
                 table[key] = Summary(row["method"], row["params"], row["model"]["name"], row["temperature"], dataset,
                                      row["config_key"], row.get("top_k", 0), row.get("top_p", 1.0),
@@ -348,4 +356,4 @@ def summarize(rows: list[dict]) -> list[Summary]:
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
     return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.simulated,
-                                                 s.temperature, s.truncation, order.get(s.dataset, s.dataset)))
+                                                 s.temperature, s.truncation, s.engine, order.get(s.dataset, s.dataset)))

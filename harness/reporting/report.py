@@ -210,10 +210,11 @@ def speedup_table(overall: list[Summary]) -> list[Table]:
 def turns_table(summaries: list[Summary]) -> list[Table]:
     """Runs of every turn of a multi-turn set: each turn's figures beside the turns pooled, and how far acceptance
     moved from the first turn (paired over the questions that have both)."""
-    by_label = {(s.config_key, s.dataset): s for s in summaries}
+    by_label = {(s.config_key, s.engine, s.dataset): s for s in summaries}
     rows = []
     for pooled in (s for s in summaries if s.turns != "first" and s.dataset in MULTI_TURN):
-        turns = list(itertools.takewhile(bool, (by_label.get((pooled.config_key, turn_label(pooled.dataset, n)))
+        turns = list(itertools.takewhile(bool, (by_label.get((pooled.config_key, pooled.engine,
+                                                             turn_label(pooled.dataset, n)))
                                                 for n in itertools.count(1))))
         for label, s in [*((f"turn {n}", t) for n, t in enumerate(turns, 1)), ("both", pooled)]:
             rows.append([_config(pooled), pooled.sampling, label, str(s.samples), f"{_mean_prompt(s):.0f}",

@@ -87,6 +87,14 @@ def row_key(row: dict) -> SampleKey:
     return sample_key(row["config_key"], row.get("dataset"), row.get("question_id"), row.get("turn", 1))
 
 
+def timed_on(row: dict) -> tuple:
+    """The engine a record was timed on: its Linears', attention's and compiled step's kernels (all None for
+    records that did not say). One sample timed on two engines is two measurements, not a duplicate."""
+    conditions = row.get("conditions") or {}
+    compiled = conditions.get("compile") or {}
+    return conditions.get("linears"), conditions.get("attention"), compiled.get("engine"), compiled.get("cuda_graphs")
+
+
 class ResultStore:
     """Append-only JSONL file of records; created on the first append only."""
 
@@ -251,7 +259,7 @@ class Loaded:
 
 def load_all(results: Path | list[Path] | tuple[Path, ...]) -> Loaded:
     """Every sample record in each results file, or in all *.jsonl files under each folder (shards' folders, say),
-    the first found of a sample."""
+    the first found of a sample on each engine that timed it (`timed_on`)."""
     paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
     found, foreign, sources = [], [], []
     for path in paths:
@@ -266,7 +274,7 @@ def load_all(results: Path | list[Path] | tuple[Path, ...]) -> Loaded:
         found += [row for rows in held.values() for row in rows]
     unique = {}
     for row in found:
-        unique.setdefault(row_key(row), row)
+        unique.setdefault((row_key(row), timed_on(row)), row)
     return Loaded(list(unique.values()), len(found) - len(unique), foreign, sources)
 
 
