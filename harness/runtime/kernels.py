@@ -16,7 +16,10 @@ fp32), 2 threads, measured on 2026-12-05 on an AVX512-BF16 CPU (ms for 1 / 2 / 4
     bf16  oneDNN 15.2 / 16.7 / 14.4 / 17.6 / 76.1     row kernel 10.6 / 12.9 / 15.0 / 25.9 / 165.5
 
 and on an AVX2 CPU without bf16 units, bf16: torch 43 (one row) and 209 (four), an earlier row kernel of ours 30
-and 57. It is built once per machine with its compiler (torch.utils.cpp_extension, cached outside the repository);
+and 57. Where the CPU has AVX-512, calls of several rows take a 512-bit tile with the same per-output sums (the same
+bits): on an Intel Xeon with AVX-512 on 2026-12-06, fp32 20.4 / 23.2 / 28.7 / 112.3 ms for 2 / 4 / 11 / 100 rows
+against the AVX2 tiles' 19.7 / 24.4 / 33.1 / 144.1, bf16 13.7 / 14.7 / 21.7 / 110.5 against 14.8 / 17.2 / 27.9 / 158.4
+(one row unchanged: 19.4 fp32, 13.3 bf16, bound by memory). It is built once per machine with its compiler (torch.utils.cpp_extension, cached outside the repository);
 a machine that cannot build it keeps oneDNN for fp32 and torch's path for bf16, and says why. Inside a compiled
 step it stays one opaque op, so inductor fuses what lies between the products.
 """
