@@ -125,10 +125,11 @@ def test_the_report_gives_ssd_its_own_table():
     overall = [s for s in summarize([row, older]) if s.dataset == OVERALL]
     (table,) = family_tables(overall)
     assert table.title == "ssd figures" and table.header[3:] == ["cache hit rate", "tokens/forward", "theoretical x",
-                                                                 "modeled x", "wall-clock x", "vs synchronous x"]
+                                                                 "modeled x", "wall-clock x", "vs synchronous x",
+                                                                 "engine"]
     # 3 hits in the 4 rounds that could hit; tau = 10 / 5; 2 of 5 rounds drafted 3 tokens: 2 * 30 / (30 + 0.4 * 3);
     # 10 tokens in 2 s against the synchronous run's 10 in 4 s
-    rows = {r[0]: [cell.split(" [")[0] for cell in r[3:]] for r in table.rows}  # the figures, not their intervals
+    rows = {r[0]: [cell.split(" [")[0] for cell in r[3:-1]] for r in table.rows}  # the figures, not their intervals
     assert rows["ssd k=3"] == ["0.75", "2.00", f"{60 / 31.2:.2f}", "2.00", "1.00", "2.00"]
     assert rows["ssd k=2"][-1] == "—"  # a record from before the synchronous run was timed beside SSD
 

@@ -368,9 +368,11 @@ def family_tables(overall: list[Summary]) -> list[Table]:
     tables = []
     for method, entries in found.items():
         names = list(entries[0][1])
-        rows = [[_config(s), s.sampling, str(s.samples)] + [_ci(s, _own(n)) for n in names] for s, _ in entries]
-        tables.append(Table(f"{method} figures", ["config", "T", "samples", *names], rows,
-                            entries[0][0].family.figures_note))
+        rows = [[_config(s), s.sampling, str(s.samples)] + [_ci(s, _own(n)) for n in names] + [s.engine or "—"]
+                for s, _ in entries]
+        tables.append(Table(f"{method} figures", ["config", "T", "samples", *names, "engine"], rows,
+                            "; ".join(filter(None, [entries[0][0].family.figures_note,
+                                                    "engine: the dtype and kernels that timed it"]))))
     return tables
 
 
