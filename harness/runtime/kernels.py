@@ -19,9 +19,10 @@ and on an AVX2 CPU without bf16 units, bf16: torch 43 (one row) and 209 (four), 
 and 57. Where the CPU has AVX-512, calls of several rows take a 512-bit tile with the same per-output sums (the same
 bits): on an Intel Xeon with AVX-512 on 2026-12-06, fp32 20.4 / 23.2 / 28.7 / 112.3 ms for 2 / 4 / 11 / 100 rows
 against the AVX2 tiles' 19.7 / 24.4 / 33.1 / 144.1, bf16 13.7 / 14.7 / 21.7 / 110.5 against 14.8 / 17.2 / 27.9 / 158.4
-(one row unchanged: 19.4 fp32, 13.3 bf16, bound by memory). It is built once per machine with its compiler (torch.utils.cpp_extension, cached outside the repository);
-a machine that cannot build it keeps oneDNN for fp32 and torch's path for bf16, and says why. Inside a compiled
-step it stays one opaque op, so inductor fuses what lies between the products.
+(one row unchanged: 19.4 fp32, 13.3 bf16, bound by memory). It is built once per machine with its compiler
+(torch.utils.cpp_extension, cached outside the repository); a machine that cannot build it keeps oneDNN for fp32
+and torch's path for bf16, and says why. Inside a compiled step it stays one opaque op, so inductor fuses what lies
+between the products.
 """
 
 from __future__ import annotations
