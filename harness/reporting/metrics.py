@@ -356,4 +356,5 @@ def summarize(rows: list[dict], by_engine: bool = True) -> list[Summary]:
             table[key].add(row)
     order = {OVERALL: "~"}  # overall sorts after the datasets of its configuration
     return sorted(table.values(), key=lambda s: (s.model, s.method, str(sorted(s.params.items())), s.simulated,
-                                                 s.temperature, s.truncation, s.engine, order.get(s.dataset, s.dataset)))
+                                                 s.temperature, s.truncation, s.engine,
+                                                 order.get(s.dataset, s.dataset)))
