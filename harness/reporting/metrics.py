@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from harness.bench.config import RunConfig
 from harness.bench.data import MULTI_TURN
+from harness.runtime.results import timed_on
 from methods.base import REGISTRY, Method
 from methods.sampling import NO_TRUNCATION
 from methods.stats import Stats
@@ -326,7 +327,7 @@ def _vector_sum(a: list, b: list) -> list:
 def _group(row: dict, by_engine: bool) -> tuple:
     """A record's summary: its configuration and, where `by_engine`, the engine that timed it (a re-measurement on
     new kernels is a row of its own beside the earlier one, never pooled with it)."""
-    engine = engine_label(row) if by_engine and not row.get("simulated") else ""
+    engine = timed_on(row) if by_engine and not row.get("simulated") else ()
     return row["config_key"], row["method"], row["model"]["name"], row["temperature"], engine
 
 
