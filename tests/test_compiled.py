@@ -71,15 +71,18 @@ DRAFTED = {"eagle3", "eagle3-layout", "eagle3-tree", "spd", "ppsd", "ssd", "ssd-
                                   "ssd-model"])
 def test_every_method_decodes_the_same_tokens_compiled_as_eager(name, monkeypatch, draft_dir):
     eager = _outputs(_built(name, TargetRuntime(MODEL, max_len=256), draft=draft_dir))
-    compiled = []  # the layers each compiled call ran
-    original = CompiledStep.__call__
+    compiled = []  # the layers each compiled call ran: one layer, or a run of layers as one graph
+    one, run = CompiledStep.__call__, CompiledStep.layers
     monkeypatch.setattr(CompiledStep, "__call__", lambda self, layer, *args, **kwargs: (
-        compiled.append(layer), original(self, layer, *args, **kwargs))[1])
+        compiled.append(layer), one(self, layer, *args, **kwargs))[1])
+    monkeypatch.setattr(CompiledStep, "layers", lambda self, layers, *args: (
+        compiled.extend(layers), run(self, layers, *args))[1])
     target = TargetRuntime(MODEL, max_len=256, compile="on")
     assert _outputs(_built(name, target, draft=draft_dir)) == eager
     assert target.engine()["compile"]["engine"] == "inductor"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     own = {id(layer) for layer in target.layers}
+    assert own <= {id(layer) for layer in compiled}  # every target layer ran compiled
     drafter_calls = [layer for layer in compiled if id(layer) not in own]
     assert bool(drafter_calls) == (name in DRAFTED), name  # the drafter's layers compile as well
 
@@ -176,7 +179,7 @@ def _failing(monkeypatch):
 
     def init(self, mode, *args, **kwargs):
         original(self, mode, *args, **kwargs)
-        self.step = broken
+        self.step = self.ranges = broken
 
     monkeypatch.setattr(CompiledStep, "__init__", init)
 

@@ -44,6 +44,7 @@ class PeerBench:
     steps: dict[str, list[int]] = field(default_factory=dict)  # harness sides: target forwards per prompt
     versions: dict = field(default_factory=dict)
     config_key: str = ""
+    engine: dict | None = None  # how the harness's target ran (TargetRuntime.engine: kernels, compiled step)
 
 
 def peers() -> list[str]:
@@ -52,14 +53,14 @@ def peers() -> list[str]:
 
 
 def bench_peer(method: str, model: str, datasets: list[str], prompts: int, max_new_tokens: int, params: dict,
-               device: str, dtype: str | None, data_dir: str | None) -> PeerBench:
+               device: str, dtype: str | None, data_dir: str | None, compile: str = "off") -> PeerBench:
     if method not in peers():
         raise HarnessError(f"HF generate implements no {method!r}; bench peer takes {', '.join(peers())}")
     loaded = load_model(model, device, dtype)
     reference = load_model(model, device, dtype)  # HF generate runs on an untouched copy, as a user would load it
     samples = [(name, i, s) for name in datasets for i, s in enumerate(load_samples(name, data_dir, prompts))]
     prompt_ids = [render_prompt(loaded.tokenizer, s.prompt) for _, _, s in samples]
-    target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8)
+    target = TargetRuntime(loaded.model, max_len=max(map(len, prompt_ids)) + max_new_tokens + 8, compile=compile)
     stops = sorted(stop_ids(loaded))
     greedy = Sampler(SamplingConfig())
     ours = {"reference": build_method(REFERENCE_METHOD, target, {}, set(stops)),
@@ -92,13 +93,13 @@ def bench_peer(method: str, model: str, datasets: list[str], prompts: int, max_n
             tokens.append(len(outputs["hf-greedy"]))
     spec = {"kind": "bench-peer", "method": method, "model": loaded.identity.to_dict(), "datasets": datasets,
             "prompts": prompts, "max_new_tokens": max_new_tokens, "params": params, "dtype": str(loaded.dtype),
-            "device": loaded.device.type}
+            "device": loaded.device.type, **({"compile": compile} if compile != "off" else {})}
     return PeerBench(
         kind="bench-peer", method=method, model=loaded.identity.to_dict(),
         dtype=str(loaded.dtype).removeprefix("torch."), device=loaded.device.type, datasets=datasets,
         max_new_tokens=max_new_tokens, params=asdict(ours["method"].params), hf_peer=hf_peer,
         prompts=[f"{name}/{i}" for name, i, _ in samples], seconds=seconds, tokens=tokens, identical=identical,
-        steps=steps, versions=versions(), config_key=config_key(spec),
+        steps=steps, versions=versions(), config_key=config_key(spec), engine=target.engine(),
     )
 
 

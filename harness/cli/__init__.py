@@ -212,9 +212,10 @@ dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16",
                                  "row kernels build (faster, and lossless like fp32), else the default.")
 compile_option = click.option(
     "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
-    help="Run the target's attention layers through one torch.compile'd layer step (inductor; on CUDA with static "
-         "shapes replayed as CUDA graphs): on stops with the reason where it cannot compile, and auto falls back "
-         "to eager saying why. Drafters' layers run the same way.")
+    help="Run the target's attention layers through torch.compile'd graphs (inductor; on a CPU a run of alike "
+         "layers as one graph, on CUDA one layer a graph with static shapes replayed as CUDA graphs): on stops with "
+         "the reason where it cannot compile, and auto falls back to eager saying why. Drafters' layers run the "
+         "same way.")
 turns_option = click.option(
     "--turns", type=click.Choice(["first", "all"]), default="first", show_default=True,
     help="MT-Bench: decode each question's first user turn (the paper's protocol), or all its turns as one "

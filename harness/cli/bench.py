@@ -78,8 +78,10 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @device_option
 @dtype_option
 @data_option
+@compile_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/peer.jsonl"), show_default=True)
-def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, out):
+def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, compile_mode,
+                       out):
     """A method, the harness's and HF generate's, beside both greedy decodes on the same prompts, paired.
 
     Prints each side's tokens/s and wall-clock ratios with 95% intervals.
@@ -95,7 +97,8 @@ def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params,
     from harness.reporting.peers import table
 
     _, values = parse_configuration(method + ":" + ",".join(params))
-    result = peer.bench_peer(method, model, list(datasets), prompts, max_new_tokens, values, device, dtype, data_dir)
+    result = peer.bench_peer(method, model, list(datasets), prompts, max_new_tokens, values, device, dtype, data_dir,
+                             compile_mode)
     peer.save(result, out)
     click.echo(table(asdict(result)), nl=False)
     click.echo(f"record: {out}")

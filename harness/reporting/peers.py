@@ -12,6 +12,11 @@ def _labels(record: dict) -> dict[str, str]:
             "reference": "harness greedy decoding", "method": f"harness {record['method']}"}
 
 
+def _compiled(record: dict) -> str:
+    compiled = (record.get("engine") or {}).get("compile")
+    return "" if not compiled else f", harness compiled ({compiled['engine']})"
+
+
 def table(record: dict) -> str:
     seconds, tokens = record["seconds"], sum(record["tokens"])
     datasets = [prompt.split("/")[0] for prompt in record["prompts"]]
@@ -24,8 +29,8 @@ def table(record: dict) -> str:
 
     params = ", ".join(f"{key}={value}" for key, value in record["params"].items())
     lines = [(f"{len(datasets)} prompts ({', '.join(record['datasets'])}), {record['max_new_tokens']} new tokens, "
-              f"harness {record['method']} {params}; {record['dtype']} on {record['device']}; outputs identical to "
-              f"greedy: {record['identical']}"),
+              f"harness {record['method']} {params}; {record['dtype']} on {record['device']}{_compiled(record)}; "
+              f"outputs identical to greedy: {record['identical']}"),
              "| side | tok/s | over HF greedy | over harness greedy |", "|---|---|---|---|"]
     for side, label in labels.items():
         lines.append(f"| {label} | {tokens / sum(seconds[side]):.1f} | {ratio('hf-greedy', side)} | "

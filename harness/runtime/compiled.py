@@ -1,28 +1,32 @@
-"""The compiled layer step (`--compile`): every full-attention decoder layer, the target's and its drafters'
-(an EAGLE-3 head's, the SPD speculator's, a draft model's), runs through one `torch.compile`d function (inductor),
-so methods keep calling the runtime (`StateCache.call`) and never learn about it.
+"""The compiled step (`--compile`): the target's attention layers, and its drafters' (an EAGLE-3 head's, the SPD
+speculator's, a draft model's), run through `torch.compile`d functions (inductor), so methods keep calling the runtime
+(`TargetRuntime.run_layers`, `StateCache.call`) and never learn about it.
 
-The unit is one layer, not the layer range: the layers of a model share their code and shapes, so one graph serves
-all of them (the layer's weights are the graph's inputs, and its index is left symbolic), which keeps compiling to
-a few graphs whatever the depth (a 30-layer range traced whole took over 15 minutes on 2 CPU cores; one layer about
-30 s). Token and cache lengths are dynamic. A layer reads and writes its KV buffer through `LayerKV`, the one
-layer's views, so nothing inside the graph looks a layer up by index. Linear-attention layers, whose state lives
-in Python dictionaries, stay eager. Inductor keeps what it compiled in its on-disk cache, so a second run compiles
-in a fraction of the time.
+On a CPU the unit is a run of alike attention layers (one class, equal weight shapes: a Llama's 30), compiled as one
+graph, `_layers_step`. Its layer is a nested compile region (`torch.compiler.nested_compile_region`): dynamo traces one
+layer and stamps it out for the others (the layer's weights are the region's inputs), so a 30-layer range compiles in
+seconds, where tracing it whole took over 15 minutes on 2 cores. A graph per layer instead pays dynamo's guard check
+and inductor's wrapper on each of the 30 calls (about 0.3 ms a call on this CPU, as much as fusing saves): on the
+embedded model the 30 layers of a one-token step took 27.3 ms as 30 compiled calls, 20.2 ms as one graph, against
+eager's 27.0 (Intel Xeon, 2 threads, 2026-12-06). The region reuse is keyed by hand (`reuse_hash_fn`): dynamo's own
+check refuses HF's layers, whose forward sets a context variable, so the runtime hands a graph only layers it has
+checked alike (`alike_runs`). A layer reads and writes its own keys and values tensors (nothing aliases another
+input) up to the call's end, a Python int, so nothing is looked up by index inside the graph. Shapes are static until
+one changes (dynamo's automatic dynamic shapes): a step compiles once for its first cache length and once more, with
+the length symbolic, for every later one; dynamo notes which sizes varied in its on-disk profile, so the next process
+compiles the dynamic graph first. Single layers (an EAGLE-3 head's, the SPD speculator's) run through the layer step,
+`_layer_step`, one graph per layer class and call form. Linear-attention layers, whose state lives in Python
+dictionaries, stay eager. Inductor keeps what it compiled in its on-disk cache, so a second run compiles in a
+fraction of the time.
 
-What it buys depends on the machine. On a 2-core AVX2 CPU the embedded model's step is bound by its Linear kernels
-(76% of its op time in oneDNN's packed Linear), and inside a graph the Linears run inductor's choice (MKL's `mm`:
-its oneDNN lowering packs only weights frozen as constants, which a step shared by every layer takes as inputs), so
-the compiled step measured 45.0 ms against eager's 43.4.
-
-On CUDA the step is static and graphed (`mode="reduce-overhead"`): a graph is recorded per shape, and the cache
-length grows every step, so a static call (`StaticCall`) reads and writes the whole preallocated buffer under a
-mask and pads its query rows to a bucket (1, 2, 4, .. 64 rows): a handful of shapes per layer class, whatever the
-length. A padded row writes a scratch slot above the buffer's max_len and sees only it. Calls longer than the
-largest bucket (a prompt's prefill) run eagerly. Each call's output is copied out of the graphs' memory pool, so a
-tensor a method keeps across steps (a pipeline stage's output, captured features) is never overwritten by a later
-replay. Tests run the static form on CPU (`static=True`); on a CPU the dynamic step is the faster one, since attending
-over the whole buffer costs more than the launches it saves there.
+On CUDA the step is static and graphed (`mode="reduce-overhead"`), one layer a graph: a graph is recorded per shape,
+and the cache length grows every step, so a static call (`StaticCall`) reads and writes the whole preallocated
+buffer under a mask and pads its query rows to a bucket (1, 2, 4, .. 64 rows): a handful of shapes per layer class,
+whatever the length. A padded row writes a scratch slot above the buffer's max_len and sees only it. Calls longer
+than the largest bucket (a prompt's prefill) run eagerly. Each call's output is copied out of the graphs' memory
+pool, so a tensor a method keeps across steps (a pipeline stage's output, captured features) is never overwritten by
+a later replay. Tests run the static form on CPU (`static=True`); on a CPU the dynamic step is the faster one, since
+attending over the whole buffer costs more than the launches it saves there.
 """
 
 from __future__ import annotations
@@ -45,6 +49,21 @@ def bucket(rows: int) -> int | None:
     return next((size for size in BUCKETS if size >= rows), None)
 
 
+def alike_runs(layers, kinds: list[str]) -> list[int]:
+    """ends[i]: where the run of alike attention layers holding layer i ends (i + 1 for a linear-attention layer).
+    Alike: one class, the same submodule classes and equal parameter shapes and dtypes, so one stamped-out layer
+    subgraph (`_any_layer`) serves every layer of a run."""
+    def form(layer) -> tuple:
+        return (tuple(type(m) for m in layer.modules()),
+                tuple((name, p.shape, p.dtype) for name, p in layer.named_parameters()))
+
+    ends, forms = list(range(1, len(layers) + 1)), [form(layer) for layer in layers]
+    for i in reversed(range(len(layers) - 1)):
+        if kinds[i] == kinds[i + 1] == "full_attention" and forms[i] == forms[i + 1]:
+            ends[i] = ends[i + 1]
+    return ends
+
+
 class LayerKV:
     """One attention layer's keys and values up to the call's end ([B, heads, kv_end, head dim] views of the
     runtime's buffer) and the slots this call writes: the cache a decoder layer is handed."""
@@ -61,6 +80,28 @@ class LayerKV:
 
 def _layer_step(layer, *args, **kwargs):
     return layer(*args, **kwargs)
+
+
+def _any_layer(*args, **kwargs) -> int:
+    """Every call of `_one_layer` inside one range graph takes the same subgraph: the runtime hands a graph only
+    alike layers (one class, equal weight shapes)."""
+    return 0
+
+
+@torch.compiler.nested_compile_region(reuse_hash_fn=_any_layer)
+def _one_layer(layer, h, keys, values, end: int, write, mask, position_ids, rope):
+    cache = LayerKV(keys.narrow(2, 0, end), values.narrow(2, 0, end), write)
+    return layer(h, cache=cache, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+
+
+def _layers_step(layers, h, kv, end: int, write, mask, position_ids, rope) -> tuple[torch.Tensor, ...]:
+    """`layers` in turn on h, layer i reading and writing its keys kv[2i] and values kv[2i + 1] up to slot `end`;
+    returns every layer's output (a caller captures some: one graph whatever it keeps)."""
+    outputs = []
+    for i, layer in enumerate(layers):
+        h = _one_layer(layer, h, kv[2 * i], kv[2 * i + 1], end, write, mask, position_ids, rope)
+        outputs.append(h)
+    return tuple(outputs)
 
 
 def _static_layer_step(layer, *args, **kwargs):
@@ -123,54 +164,64 @@ class CompiledStep:
         self.step = torch.compile(_static_layer_step, dynamic=False, fullgraph=True,
                                   mode="reduce-overhead" if self.graphed else None) if self.static else \
             torch.compile(_layer_step, dynamic=True, fullgraph=True)
+        # A run of alike layers as one graph (the module doc); the static step keeps one graph per layer.
+        self.ranges = None if self.static else torch.compile(_layers_step, fullgraph=True)
         self.seconds, self.graphs, self.failed = 0.0, 0, None
         self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
-    def buffer(self, owner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The KV buffer a static cache of `owner` (the model whose layers it serves) writes, and its per-layer views:
-        one per owner and shape, kept from one generation to the next, so the graphs recorded on it replay there (a
-        fresh buffer would have them recorded anew)."""
-        key = (id(owner), shape, dtype, str(device))
+    def buffer(self, owner, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+               ) -> tuple[torch.Tensor, ...]:
+        """The `count` KV tensors (each layer's keys, then its values) a static cache of `owner` (the model whose
+        layers it serves) writes: one set per owner and shape, kept from one generation to the next, so the graphs
+        recorded on them replay there (fresh tensors would have them recorded anew)."""
+        key = (id(owner), count, shape, dtype, str(device))
         if key not in self._buffers:
-            buffer = torch.zeros(shape, dtype=dtype, device=device)
-            views = buffer.unbind(0)
-            for view in views:  # graphs write them in place: addresses that stay put, not inputs to copy in
-                torch._dynamo.mark_static_address(view)
-            self._buffers[key] = (buffer, views)
+            tensors = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(count))
+            for tensor in tensors:  # graphs write them in place: addresses that stay put, not inputs to copy in
+                torch._dynamo.mark_static_address(tensor)
+            self._buffers[key] = tensors
         return self._buffers[key]
 
     def __call__(self, layer, *args, cache: LayerKV, **kwargs) -> torch.Tensor:
         """layer(*args, cache=cache, **kwargs), compiled."""
+        if self.graphed:  # nothing a replay wrote before is still read from the pool (outputs are copied out)
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self._compiled(self.step, _layer_step, layer, *args, cache=cache, **kwargs)
+        return out.clone() if self.graphed and self.failed is None else out
+
+    def layers(self, layers: list, h: torch.Tensor, kv: list[torch.Tensor], end: int, write: torch.Tensor, mask,
+               position_ids, rope) -> tuple[torch.Tensor, ...]:
+        """`_layers_step` on a run of alike layers (`alike_runs`), compiled as one graph."""
+        return self._compiled(self.ranges, _layers_step, layers, h, kv, end, write, mask, position_ids, rope)
+
+    def _compiled(self, compiled, eager, *args, **kwargs):
+        """compiled(*args, **kwargs), counting the graphs it compiles and their seconds; eager(...) once failed."""
         if self.failed is not None:
-            return _layer_step(layer, *args, cache=cache, **kwargs)
+            return eager(*args, **kwargs)
         before, start = _graphs(), time.perf_counter()
         try:
-            if self.graphed:  # nothing a replay wrote before is still read from the pool (outputs are copied out)
-                torch.compiler.cudagraph_mark_step_begin()
-            out = self.step(layer, *args, cache=cache, **kwargs)
+            out = compiled(*args, **kwargs)
         except Exception as exc:  # a graph that cannot be built fails before it runs: nothing was written
-            return self._fail(exc, layer, *args, cache=cache, **kwargs)
-        if self.graphed:
-            out = out.clone()
+            self._fail(exc)
+            return eager(*args, **kwargs)
         if _graphs() > before:
             self.seconds += time.perf_counter() - start
             self.graphs += _graphs() - before
         return out
 
-    def _fail(self, exc, *args, **kwargs) -> torch.Tensor:
+    def _fail(self, exc: Exception) -> None:
         why = f"cannot compile the layer step ({type(exc).__name__}: {first_line(exc)})"
         if self.mode == "on":
             raise HarnessError(f"--compile {why}; run with --compile auto to fall back to eager, or --compile off")
         self.failed = why
         print(f"warning: --compile auto: {why}; running eager", file=sys.stderr)
-        return _layer_step(*args, **kwargs)
 
     def conditions(self) -> dict:
         """What a record says about the engine: compiled or fallen back, graphs and compile seconds so far."""
         if self.failed is not None:
             return {"mode": self.mode, "engine": "eager", "why": self.failed}
         return {"mode": self.mode, "engine": "inductor", "shapes": "static" if self.static else "dynamic",
+                "unit": "layer" if self.static else "layer run",
                 "cuda_graphs": self.graphed, "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
 
 

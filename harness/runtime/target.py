@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.runtime.attention import use_rows_attention
-from harness.runtime.compiled import CompiledStep, LayerKV, StaticCall, bucket
+from harness.runtime.compiled import CompiledStep, LayerKV, StaticCall, alike_runs, bucket
 from harness.runtime.kernels import pack_linears
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
@@ -76,12 +76,10 @@ class StateCache:
         self.owner = owner  # the model whose layers it serves: a static step keeps its buffer from one cache to the next
         self.device = torch.device(device)
         self.max_len = max_len
-        # Every attention layer's keys and values in one buffer [2 * layers, B, heads, max_len, head dim] (layer i's
-        # at 2 * pair[i] and the next), so one narrow and one unbind per call give every layer its views.
+        # Every attention layer's keys and values, a tensor each [B, heads, max_len, head dim] (layer i's at
+        # 2 * pair[i] and the next): apart, so a compiled run of layers takes them as inputs that alias none other.
         self.pair = {i: k for k, i in enumerate(i for i, kind in enumerate(layer_types) if kind == "full_attention")}
-        self.kv: torch.Tensor | None = None
-        self._views: tuple[torch.Tensor, ...] | None = None  # this call's views of kv up to kv_end
-        self._whole: tuple[torch.Tensor, ...] | None = None  # the static step's views of all of kv
+        self.kv: tuple[torch.Tensor, ...] | None = None
         self._static: StaticCall | None = None  # this call in the static step's shapes (None: as it comes)
         self._columns: torch.Tensor | None = None  # the static buffer's slot indices, built once with it
         self.rewind_window = rewind_window
@@ -118,7 +116,7 @@ class StateCache:
             torch._assert_async((slots < self.kv_end).all(), "a slot lies outside the mask's columns")
         if self.kv_end > self.max_len:
             raise ValueError(f"sequence length {self.kv_end} exceeds the cache's max_len {self.max_len}")
-        self._views, self._rows_layer, self._static = None, None, None
+        self._rows_layer, self._static = None, None
         if mask is not None and mask.shape != (count, self.kv_end):
             raise ValueError(f"mask shape {tuple(mask.shape)} != (tokens, kv_end) = {(count, self.kv_end)}")
         size = bucket(count) if self.step is not None and self.step.static and self.kv is not None else None
@@ -134,7 +132,7 @@ class StateCache:
 
     def _static_call(self, rows: int, size: int, mask: torch.Tensor | None) -> StaticCall:
         """This call over the whole buffer, its rows padded to `size` (the last slot is the padded rows' scratch)."""
-        slots, columns = self.kv.shape[3], self._columns
+        slots, columns = self.kv[0].shape[2], self._columns
         if mask is not None:
             seen = torch.cat([mask.to(torch.bool), mask.new_zeros((rows, slots - self.kv_end), dtype=torch.bool)], 1)
         elif rows == 1:
@@ -156,42 +154,49 @@ class StateCache:
         if self._static is not None:
             pair = 2 * self.pair[layer_idx]
             return self._static(self.step, layer, args, kwargs,
-                                LayerKV(self._whole[pair], self._whole[pair + 1], self._static.write))
+                                LayerKV(self.kv[pair], self.kv[pair + 1], self._static.write))
         if self.step.static:  # longer than any static shape (a prompt): eagerly
             return layer(*args, cache=self.layer(layer_idx), **kwargs)
         return self.step(layer, *args, cache=self.layer(layer_idx), **kwargs)
 
+    def call_run(self, layers: list, first: int, h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
+        """A run of alike attention layers from layer `first` (`alike_runs`) as one compiled graph; returns each
+        layer's output."""
+        kv = [t for i in range(first, first + len(layers)) for t in self.kv[2 * self.pair[i]: 2 * self.pair[i] + 2]]
+        return self.step.layers(layers, h, kv, self.kv_end, self.write, kwargs["attention_mask"],
+                                kwargs["position_ids"], kwargs["position_embeddings"])
+
     def update(self, key, value, layer_idx, **_):
         if self.kv is None:  # shaped and typed after the first keys
-            shape = (2 * len(self.pair), key.shape[0], key.shape[1], self.max_len, key.shape[3])
-            if self.step is not None and self.step.static:  # the owner's buffer, one slot more for padded rows
-                self.kv, self._whole = self.step.buffer(self.owner, (*shape[:3], self.max_len + 1, shape[4]),
-                                                        key.dtype, key.device)
+            count, shape = 2 * len(self.pair), (key.shape[0], key.shape[1], self.max_len, key.shape[3])
+            if self.step is not None and self.step.static:  # the owner's tensors, one slot more for padded rows
+                self.kv = self.step.buffer(self.owner, count, (*shape[:2], self.max_len + 1, shape[3]), key.dtype,
+                                           key.device)
                 self._columns = torch.arange(self.max_len + 1, device=key.device)
             else:
-                self.kv = key.new_zeros(shape)
+                self.kv = tuple(key.new_zeros(shape) for _ in range(count))
         return self.layer(layer_idx).update(key, value)
 
     def layer(self, layer_idx: int) -> LayerKV:
-        """Attention layer `layer_idx`'s views of the buffer up to this call's end (once the buffer exists)."""
-        if self._views is None:
-            self._views = self.kv.narrow(3, 0, self.kv_end).unbind(0)
+        """Attention layer `layer_idx`'s keys and values up to this call's end (once they exist)."""
         pair = 2 * self.pair[layer_idx]
-        return LayerKV(self._views[pair], self._views[pair + 1], self.write)
+        return LayerKV(self.kv[pair].narrow(2, 0, self.kv_end), self.kv[pair + 1].narrow(2, 0, self.kv_end),
+                       self.write)
 
     def kv_bytes(self, layers: range) -> int:
         """Bytes of keys and values one slot holds in `layers`."""
         if self.kv is None:
             return 0
         count = sum(i in self.pair for i in layers)
-        return 2 * count * self.kv[0, :, :, 0].numel() * self.kv.element_size()
+        return 2 * count * self.kv[0][:, :, 0].numel() * self.kv[0].element_size()
 
     def move(self, src: list[int], dst_start: int) -> None:
         """Copy the KV of slots `src` to contiguous slots from `dst_start` (keeps an accepted tree path); linear
         layers file its states under those positions."""
         if self.kv is not None:
-            dst = slice(dst_start, dst_start + len(src))
-            self.kv[:, :, :, dst] = self.kv[:, :, :, torch.tensor(src, device=self.kv.device)]
+            dst, index = slice(dst_start, dst_start + len(src)), torch.tensor(src, device=self.kv[0].device)
+            for tensor in self.kv:
+                tensor[:, :, dst] = tensor[:, :, index]
         self.move_linear(src, dst_start)
 
     # --- linear-attention layers ------------------------------------------------------------------------------
@@ -332,6 +337,7 @@ class TargetRuntime:
         self.config = model.config.get_text_config()
         self.backbone = model.model
         self.layers = self.backbone.layers
+        self._layer_list = list(self.layers)  # sliced per call, as a compiled run's list of layers
         self.num_layers = len(self.layers)
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
         unsupported = set(self.layer_types) - SUPPORTED_LAYER_TYPES
@@ -348,6 +354,8 @@ class TargetRuntime:
         self.compiled = compile if isinstance(compile, CompiledStep) else \
             None if compile == "off" else CompiledStep(compile, self.device.type)
         self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device, self.compiled, model)
+        # Where each layer's run of alike attention layers ends: a dynamic compiled step takes such a run whole.
+        self._runs = alike_runs(self.layers, self.layer_types) if self.compiled and not self.compiled.static else None
         self._costs: dict[int, list[float]] = {}
 
     def engine(self) -> dict:
@@ -360,7 +368,7 @@ class TargetRuntime:
         """What besides the weights, dtype and device decides this runtime's greedy tokens: its Linears' and
         attention's kernels and the compiled step's form (each sums in its own order, so a near-tie can fall either
         way between two of them)."""
-        step = "eager" if self.compiled is None else "static" if self.compiled.static else "dynamic"
+        step = "eager" if self.compiled is None else "static" if self.compiled.static else "runs"
         return f"{self.linears}-{self.attention}-{step}"
 
     @property
@@ -424,18 +432,30 @@ class TargetRuntime:
         position_ids = positions[None]
         rope = self.backbone.rotary_emb(h, position_ids)
         captured = {lo: h} if lo in capture else {}
-        for i in range(lo, hi):
-            if self.layer_types[i] == "linear_attention" and levels:
-                h = self._branch_levels(i, h, levels)
-            elif self.layer_types[i] == "full_attention":
-                h = self.cache.call(self.layers[i], i, h, attention_mask=attn_mask, position_ids=position_ids,
-                                    position_embeddings=rope)
+        runs = self._runs if self._runs is not None and self.cache.kv is not None else None  # (the first call: eager)
+        i = lo
+        while i < hi:
+            end = i + 1 if runs is None else min(runs[i], hi)
+            if end > i + 1:  # a run of alike attention layers, compiled as one graph
+                outputs = self.cache.call_run(self._layer_list[i:end], i, h, attention_mask=attn_mask,
+                                              position_ids=position_ids, position_embeddings=rope)
+                captured.update({k: outputs[k - i - 1] for k in capture if i < k <= end})
+                h = outputs[-1]
             else:
-                h = self.layers[i](h, attention_mask=None, position_ids=position_ids, position_embeddings=rope,
-                                   cache=self.cache)
-            if i + 1 in capture:
-                captured[i + 1] = h
+                h = self._layer(i, h, levels, attn_mask, position_ids, rope)
+                if end in capture:
+                    captured[end] = h
+            i = end
         return h, captured
+
+    def _layer(self, i: int, h: torch.Tensor, levels: list[_Level], attn_mask, position_ids, rope) -> torch.Tensor:
+        if self.layer_types[i] == "linear_attention" and levels:
+            return self._branch_levels(i, h, levels)
+        if self.layer_types[i] == "full_attention":
+            return self.cache.call(self.layers[i], i, h, attention_mask=attn_mask, position_ids=position_ids,
+                                   position_embeddings=rope)
+        return self.layers[i](h, attention_mask=None, position_ids=position_ids, position_embeddings=rope,
+                              cache=self.cache)
 
     def _branch_levels(self, i: int, h: torch.Tensor, levels: list[_Level]) -> torch.Tensor:
         """A linear layer on a tree: one call per level (the tokens at one position), its rows a batch that
