@@ -4,7 +4,7 @@ import re
 
 from harness.reporting.metrics import find, summarize
 from harness.reporting.render import latex, markdown, render_figures
-from harness.reporting.report import tables
+from harness.reporting.report import detail_table, lossless_table, tables
 
 INTERVAL = re.compile(r" \[[-+]?\d[^\]]*\]|(?<=\d) \(n=\d+\)")  # "[1.1, 1.3]", "[2 prompts: too few]", "(n=2)"
 
@@ -252,3 +252,10 @@ def test_a_configuration_re_measured_on_another_engine_is_a_row_of_its_own():
     assert sorted(s.wall_clock_speedup for s in overall) == [2.0, 4.0]  # never their mix
     assert find(summaries, "lookup", params, 0.0).engine == "float32, eager, row kernel, row attention"  # the latest
     assert pooled(before + after).samples == 4
+    # the by-dataset and losslessness tables tell the two apart by their engine column
+    lossless = lossless_table(overall)[0]
+    assert sorted(row[-1] for row in lossless.rows) == sorted(s.engine for s in overall)
+    detail = detail_table(summaries)
+    assert detail.header[-1] == "engine"
+    labels = [tuple(row[:5]) + (row[-1],) for row in detail.rows]
+    assert len(labels) == len(set(labels)) == 6  # two engines x (two datasets + overall)

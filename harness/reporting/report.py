@@ -53,7 +53,7 @@ from harness.reporting.paper import (
 )
 
 COLUMNS = ("method", "params", "model", "T", "dataset", "simulated", "samples", "new tokens", "steps", "tokens/step",
-           "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %")
+           "L'acc", "theoretical x", "modeled x", "wall-clock x", "tok/s", "lossless %", "engine")
 
 NOTES = DEFINITIONS + f"""\
 [low, high]: the 95% interval of the figure by bootstrap over prompts ({RESAMPLES} resamples drawing each dataset's
@@ -141,7 +141,9 @@ def main_tables(summaries: list[Summary]) -> list[Table]:
         by_config: dict[str, dict[str, Summary]] = {}
         for s in summaries:
             if s.block == block and s.method != "autoregressive":
-                by_config.setdefault(_config(s), {})[s.dataset] = s
+                cells = by_config.setdefault(_config(s), {})
+                if s.dataset not in cells or cells[s.dataset].finished < s.finished:  # re-measured: the latest
+                    cells[s.dataset] = s
         rows = [[config] + [_triple(cells.get(d)) for d in DATASETS]
                 + [_mean_triple([cells[d] for d in DATASETS if d in cells])] for config, cells in by_config.items()]
         tables.append(Table(block.title, ["config", *DATASETS, MEAN], rows,
@@ -378,8 +380,10 @@ def family_tables(overall: list[Summary]) -> list[Table]:
 
 def lossless_table(overall: list[Summary]) -> list[Table]:
     rows = [[_config(s), str(s.width), s.sampling, str(s.checked), str(s.identical),
-             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—"] for s in overall if not s.simulated]
-    return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences"], rows)]
+             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—", s.engine or "—"]
+            for s in overall if not s.simulated]
+    return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences", "engine"],
+                  rows)]
 
 
 def detail_table(summaries: list[Summary]) -> Table:
@@ -396,7 +400,7 @@ def _cells(s: Summary) -> list[str]:
     return [s.method, _params(s.params), s.model, s.sampling, dataset_cell(s), "yes" if s.simulated else "no",
             str(s.samples), str(s.new_tokens), str(s.steps), _ci(s, "tokens_per_step"), _ci(s, "l_acc"),
             _ci(s, "theoretical_speedup"), _ci(s, "modeled_speedup"), _wall(s),
-            _ci(s, "tokens_per_second", 1), lossless]
+            _ci(s, "tokens_per_second", 1), lossless, s.engine or "—"]
 
 
 def missing_points(summaries: list[Summary]) -> list[GridPoint]:
