@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tiny_models import tiny_model
 
 from harness.cli import main
-from harness.runtime.compiled import CompiledStep, StaticCall
+from harness.runtime.compiled import CompiledStep, StaticCall, alike_runs
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
@@ -96,6 +96,19 @@ def test_a_warm_step_never_recompiles():
     for ids in ([7] * 3 + list(range(40, 77)), PROMPTS[1][:9], list(range(100, 160))):
         method.generate(ids, 24, Sampler(SamplingConfig()))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_graph_takes_only_runs_of_alike_attention_layers():
+    """One stamped-out layer subgraph serves a whole run (`_any_layer`), so a run never spans a linear-attention layer
+    or a layer of another class or weight shape."""
+    llama, qwen = tiny_model("llama", num_layers=3), tiny_model("qwen3", num_layers=2)
+    assert alike_runs(list(llama.model.layers), ["full_attention"] * 3) == [3, 3, 3]
+    mixed = [*llama.model.layers, *qwen.model.layers]  # Qwen3's layers carry q and k norms: another form
+    assert alike_runs(mixed, ["full_attention"] * 5) == [3, 3, 3, 5, 5]
+    kinds = ["linear_attention", "full_attention", "full_attention", "linear_attention", "full_attention"]
+    assert alike_runs(mixed[:3] + mixed[:2], kinds) == [1, 3, 3, 4, 5]
+    hybrid = TargetRuntime(tiny_model("qwen3_5", num_layers=8), max_len=64, compile="on")
+    assert hybrid._runs == list(range(1, 9))  # one attention layer in four: each runs alone
 
 
 STATIC_SHAPES: set[tuple] = set()  # the call signatures (`_signature`) the static step ran in this process

@@ -66,7 +66,7 @@ def alike_runs(layers, kinds: list[str]) -> list[int]:
 
 class LayerKV:
     """One attention layer's keys and values up to the call's end ([B, heads, kv_end, head dim] views of the
-    runtime's buffer) and the slots this call writes: the cache a decoder layer is handed."""
+    runtime's KV tensors) and the slots this call writes: the cache a decoder layer is handed."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, write: torch.Tensor):
         self.keys, self.values, self.write = keys, values, write
@@ -143,9 +143,9 @@ class StaticCall:
 
 
 class CompiledStep:
-    """The compiled layer call and what compiling cost: `seconds` spent in calls that compiled a graph, the
-    `graphs` they compiled (dynamo's cache is the process's: a graph another runtime compiled is reused). `auto`
-    falls back to eager, saying why once, where `on` stops with a one-line error."""
+    """The compiled calls (a layer, or a run of alike layers on a CPU) and what compiling cost: `seconds` spent in
+    calls that compiled a graph, the `graphs` they compiled (dynamo's cache is the process's: a graph another runtime
+    compiled is reused). `auto` falls back to eager, saying why once, where `on` stops with a one-line error."""
 
     def __init__(self, mode: str, device_type: str = "cpu", static: bool | None = None):
         if mode not in ("on", "auto"):

@@ -159,12 +159,12 @@ class StateCache:
             return layer(*args, cache=self.layer(layer_idx), **kwargs)
         return self.step(layer, *args, cache=self.layer(layer_idx), **kwargs)
 
-    def call_run(self, layers: list, first: int, h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, ...]:
+    def call_run(self, layers: list, first: int, h: torch.Tensor, mask, position_ids, rope
+                 ) -> tuple[torch.Tensor, ...]:
         """A run of alike attention layers from layer `first` (`alike_runs`) as one compiled graph; returns each
         layer's output."""
         kv = [t for i in range(first, first + len(layers)) for t in self.kv[2 * self.pair[i]: 2 * self.pair[i] + 2]]
-        return self.step.layers(layers, h, kv, self.kv_end, self.write, kwargs["attention_mask"],
-                                kwargs["position_ids"], kwargs["position_embeddings"])
+        return self.step.layers(layers, h, kv, self.kv_end, self.write, mask, position_ids, rope)
 
     def update(self, key, value, layer_idx, **_):
         if self.kv is None:  # shaped and typed after the first keys
@@ -437,8 +437,7 @@ class TargetRuntime:
         while i < hi:
             end = i + 1 if runs is None else min(runs[i], hi)
             if end > i + 1:  # a run of alike attention layers, compiled as one graph
-                outputs = self.cache.call_run(self._layer_list[i:end], i, h, attention_mask=attn_mask,
-                                              position_ids=position_ids, position_embeddings=rope)
+                outputs = self.cache.call_run(self._layer_list[i:end], i, h, attn_mask, position_ids, rope)
                 captured.update({k: outputs[k - i - 1] for k in capture if i < k <= end})
                 h = outputs[-1]
             else:
