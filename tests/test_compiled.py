@@ -11,6 +11,7 @@ import torch._dynamo
 from click.testing import CliRunner
 from tiny_models import tiny_model
 
+from harness.bench.runner import Runner
 from harness.cli import main
 from harness.runtime.compiled import CompiledStep, StaticCall, alike_runs
 from harness.runtime.errors import HarnessError
@@ -223,3 +224,34 @@ def test_run_records_the_compiled_engine_and_sweep_plans_pass_it_on(tiny_dir, ev
                                      "gsm8k", "--compile", "auto", "--plan"])
     assert plan.exit_code == 0 and "--compile auto" in plan.output, plan.output
 
+
+
+def test_a_pair_that_compiled_a_graph_decodes_again_so_no_timing_holds_compiling(tiny_dir, eval_dir, tmp_path, cache,
+                                                                                monkeypatch):
+    """A shape the warm-up never reached compiles inside a sample's timing (a verify of a new length: prompt lookup's
+    first sample held 21 s of compiling on the embedded model); that pair decodes again and the record times the
+    rerun. The first pair is made to look as if it compiled a graph, so the rule is exercised whatever the shapes."""
+    pairs = []  # (graphs before, graphs after, what it returned) per decoded pair
+    generate_pair = Runner._generate_pair
+
+    def spy(self, *args):
+        before = self.target.compiled.graphs
+        result = generate_pair(self, *args)
+        if not pairs:
+            self.target.compiled.graphs += 1
+        pairs.append((before, self.target.compiled.graphs, result))
+        return result
+
+    monkeypatch.setattr(Runner, "_generate_pair", spy)
+    out = tmp_path / "r.jsonl"
+    result = CliRunner().invoke(main, ["run", "--model", str(tiny_dir), "--method", "lookup", "--dataset", "gsm8k",
+                                       "--limit", "2", "--max-new-tokens", "12", "--data-dir", str(eval_dir),
+                                       "--compile", "on", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    clean = [generation for before, after, (generation, _) in pairs if before == after]
+    compiled = [generation for before, after, (generation, _) in pairs if before != after]
+    assert len(records) == len(clean) == 2 and len(pairs) == len(clean) + len(compiled) and compiled
+    assert pairs[1][0] == pairs[1][1]  # the first sample's second pair compiled nothing: it is the one recorded
+    assert [r["timing"] for r in records] == [{k: round(v, 6) for k, v in g.timing.items()} for g in clean]
+    assert records[0]["output_ids"] == compiled[0].output_ids  # the rerun decodes the same tokens

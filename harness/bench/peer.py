@@ -12,6 +12,7 @@ from tqdm import tqdm
 from harness.bench.config import REFERENCE_METHOD
 from harness.bench.data import load_samples, render_prompt
 from harness.bench.speed_ar import hf_generate, timed
+from harness.runtime.compiled import warm
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model, stop_ids
 from harness.runtime.provenance import versions
@@ -85,7 +86,7 @@ def bench_peer(method: str, model: str, datasets: list[str], prompts: int, max_n
         for i, ids in enumerate(tqdm(prompt_ids, desc=f"bench peer: {method} vs HF generate's", unit="prompt")):
             outputs = {}
             for side in SIDES[i % len(SIDES):] + SIDES[: i % len(SIDES)]:
-                elapsed, (outputs[side], forwards) = timed(sides[side], ids)
+                elapsed, (outputs[side], forwards) = warm(target.compiled, lambda: timed(sides[side], ids))
                 seconds[side].append(elapsed)
                 if forwards is not None:
                     steps[side].append(forwards)

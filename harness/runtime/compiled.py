@@ -225,5 +225,16 @@ class CompiledStep:
                 "cuda_graphs": self.graphed, "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
 
 
+def warm(compiled: CompiledStep | None, call):
+    """`call()`, called again while a call compiles a graph (a shape no warm-up reached: a verify of a new length),
+    so the last call, the one a caller times, holds no compiling. A call repeats its own shapes (a rerun draws from
+    the same seed), so the second compiles nothing."""
+    while True:
+        graphs = compiled.graphs if compiled else 0
+        result = call()
+        if compiled is None or compiled.graphs == graphs:
+            return result
+
+
 def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
