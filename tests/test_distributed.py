@@ -26,6 +26,7 @@ from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
 from harness.runtime.target import TargetRuntime
 from methods.base import build_method
+from methods.pipeline.distributed import load_stage
 from methods.pipeline.spd import SPD
 from methods.pipeline.speculator import Speculator, SpeculatorConfig
 from methods.sampling import Sampler, SamplingConfig
@@ -40,9 +41,9 @@ def _saved(tmp_path, arch):
     return str(folder)
 
 
-def _spd(folder, n, width, schedule="input"):
+def _spd(folder, n, width, schedule="input", compile="off"):
     loaded = load_model(folder, "cpu", "float32", tokenizer=False)
-    target = TargetRuntime(loaded.model, max_len=256, identity=loaded.identity)
+    target = TargetRuntime(loaded.model, max_len=256, identity=loaded.identity, compile=compile)
     config = SpeculatorConfig(n=n, ls=1, schedule=schedule, num_layers=target.num_layers)
     torch.manual_seed(1)
     speculator = Speculator(config, target).eval()
@@ -77,6 +78,25 @@ def test_distributed_pipeline_equals_ar_and_the_local_executor(tmp_path, arch, n
             report = ours.stats.executor
             assert report.kind == "distributed" and report.world_size == n + 1
             assert len(report.stage_forward_s) == n and all(s > 0 for s in report.stage_forward_s)
+        executor.close()
+    assert not multiprocessing.active_children()
+
+
+def test_stage_ranks_compile_their_layers_as_the_driver_does(tmp_path):
+    """`--compile` reaches the ranks through the plan: each stage builds its runtime with the driver's compiled
+    step (with `on`, a rank that could not compile would stop the run), and the tokens stay greedy AR's."""
+    folder = _saved(tmp_path, "llama")
+    target, remote = _spd(folder, 2, 1, compile="on")
+    reference = build_method("autoregressive", TargetRuntime(target.model, max_len=256), {}, set())
+    with launch.stage_group(folder, "cpu", ["cpu"] * 2, timeout_s=120) as group:
+        executor = remote.distribute(group, "float32")
+        assert executor.plan.compile == "on"
+        assert load_stage(executor.plan, 0, "cpu").compiled.mode == "on"
+        with torch.inference_mode():
+            prompt = PROMPTS[1]
+            expected = reference.generate(prompt, 16, Sampler(GREEDY)).output_ids
+            remote.engine.drafter_class = _oracle({len(prompt) + i: t for i, t in enumerate(expected)}, 0.7, seed=3)
+            assert remote.generate(prompt, 16, Sampler(GREEDY)).output_ids == expected
         executor.close()
     assert not multiprocessing.active_children()
 
@@ -160,7 +180,7 @@ def test_a_served_rank_builds_only_plans_of_this_harness_from_the_store():
 
     rng = torch.Generator().manual_seed(3)
     plan = DrafterPlan("m", "float32", "0" * 64, SSDParams(k=2), None, 64, OracleSpeculation,
-                       {"reference": {5: 7}, "rng": rng, "ids": torch.arange(4)})
+                       {"reference": {5: 7}, "rng": rng, "ids": torch.arange(4)}, "off")
     read = launch.PlanUnpickler(io.BytesIO(pickle.dumps(plan))).load()
     assert read.params == plan.params and read.speculation is OracleSpeculation
     assert torch.equal(read.state["ids"], torch.arange(4))

@@ -137,8 +137,13 @@ class Runner:
             with self._executor(method), torch.inference_mode():
                 if not self.config.simulate:
                     first = render_conversation(self.loaded.tokenizer, [todo[0].prompt], [])
-                    for side in (method, reference):  # one-off allocation costs stay out of the timings
-                        side.generate(first, min(8, self.config.max_new_tokens), self._sampler(0))
+                    # One-off allocation costs stay out of the timings; a compiled step warms on a whole generation,
+                    # which meets most shapes it compiles before any timing, on a served rank too (`warm` decodes
+                    # a pair again only for graphs this process compiled).
+                    length = self.config.max_new_tokens
+                    length = length if self.config.compile != "off" else min(8, length)
+                    for side in (method, reference):
+                        side.generate(first, length, self._sampler(0))
                 self._loop(todo, method, reference, store, bar)
             return len(todo)
 

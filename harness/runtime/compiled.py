@@ -210,6 +210,7 @@ class CompiledStep:
         return out
 
     def _fail(self, exc: Exception) -> None:
+        exc = getattr(exc, "inner_exception", None) or exc  # dynamo wraps the backend's error: name that one
         why = f"cannot compile the layer step ({type(exc).__name__}: {first_line(exc)})"
         if self.mode == "on":
             raise HarnessError(f"--compile {why}; run with --compile auto to fall back to eager, or --compile off")

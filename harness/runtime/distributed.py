@@ -163,7 +163,8 @@ class Channel:
                 return
             if op not in handlers:
                 raise HarnessError(f"the driver sent operation {op}, which this rank does not serve")
-            handlers[op](values)
+            with torch.inference_mode():  # a rank only decodes: no autograd records (a compiled step needs none)
+                handlers[op](values)
 
 
 # --- the driver's side ----------------------------------------------------------------------------------------------

@@ -364,6 +364,11 @@ class TargetRuntime:
         return {"linears": self.linears, "attention": self.attention,
                 **({"compile": self.compiled.conditions()} if self.compiled else {})}
 
+    @property
+    def compile_mode(self) -> str:
+        """The `--compile` mode this runtime was built with (off, on, auto): what a rank serving it builds its own with."""
+        return self.compiled.mode if self.compiled else "off"
+
     def numerics(self) -> str:
         """What besides the weights, dtype and device decides this runtime's greedy tokens: its Linears' and
         attention's kernels and the compiled step's form (each sums in its own order, so a near-tie can fall either

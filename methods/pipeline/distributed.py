@@ -43,6 +43,7 @@ class StagePlan:
     capture: tuple[int, ...]
     max_len: int
     rewind_window: int
+    compile: str  # the driver's compiled step (off, on, auto): a rank's layers run as the driver's would
 
     @property
     def n(self) -> int:
@@ -73,7 +74,7 @@ class DistributedExecutor(StageExecutor):
                                f"(one driver and one per stage)")
         self.group = group
         self.plan = StagePlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
-                              bounds, capture, target.max_len, target.rewind_window)
+                              bounds, capture, target.max_len, target.rewind_window, target.compile_mode)
         group.start(self.plan)  # only now are the ranks waited for: a group of the wrong size never is
         self.channel = group.channel("stage", self.device, self.plan.control_size)
         self.stage_seconds = [0.0] * self.n
@@ -165,7 +166,8 @@ def load_stage(plan: StagePlan, stage: int, device: str) -> TargetRuntime:
     model.model.embed_tokens = None
     model.lm_head = None
     model.to(device)
-    return TargetRuntime(model, max_len=plan.max_len, rewind_window=plan.rewind_window, identity=loaded.identity)
+    return TargetRuntime(model, max_len=plan.max_len, rewind_window=plan.rewind_window, identity=loaded.identity,
+                         compile=plan.compile)
 
 
 class StageServer:

@@ -45,6 +45,7 @@ class DrafterPlan:
     max_len: int
     speculation: type  # the driver's Speculation class: a variant (a test's oracle) drafts the same way there
     state: dict  # its constructor arguments beyond the drafter and params (Speculation.plan_state)
+    compile: str  # the driver's compiled step (off, on, auto): the drafter's layers run as the driver's would
 
     def server(self, rank: int, device: str, wire: torch.device) -> DrafterServer:
         """What a served rank runs under this plan (harness/runtime/distributed.py)."""
@@ -63,7 +64,8 @@ class RemoteDrafter:
         self.report = Executor("distributed", group.backend, group.world_size, group.devices)
         speculation = method.speculation
         plan = DrafterPlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
-                           method.params, method.checkpoint, target.max_len, type(speculation), speculation.plan_state())
+                           method.params, method.checkpoint, target.max_len, type(speculation), speculation.plan_state(),
+                           target.compile_mode)
         self.group = group
         group.start(plan)
         self.channel = group.channel("drafter", target.device, HEADER)
@@ -127,7 +129,7 @@ class DrafterServer:
                                f"{loaded.identity.weights_sha256[:12]}, the driver's are {plan.weights_sha256[:12]}; "
                                f"give every machine the same files")
         # A head reads only the target's embedding, final norm and rotary embedding (its frozen parts).
-        target = TargetRuntime(loaded.model, max_len=plan.max_len, identity=loaded.identity)
+        target = TargetRuntime(loaded.model, max_len=plan.max_len, identity=loaded.identity, compile=plan.compile)
         drafter = build_drafter(target, plan.params, plan.checkpoint)
         self.speculation = plan.speculation(drafter, plan.params, **plan.state)
         self.plan, self.device = plan, target.device
