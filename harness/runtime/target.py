@@ -366,7 +366,7 @@ class TargetRuntime:
 
     @property
     def compile_mode(self) -> str:
-        """The `--compile` mode this runtime was built with (off, on, auto): what a rank serving it builds its own with."""
+        """The `--compile` mode this runtime was built with (off, on, auto): a rank serving it builds its own so."""
         return self.compiled.mode if self.compiled else "off"
 
     def numerics(self) -> str:

@@ -64,8 +64,8 @@ class RemoteDrafter:
         self.report = Executor("distributed", group.backend, group.world_size, group.devices)
         speculation = method.speculation
         plan = DrafterPlan(group.model, dtype, target.identity.weights_sha256 if target.identity else "",
-                           method.params, method.checkpoint, target.max_len, type(speculation), speculation.plan_state(),
-                           target.compile_mode)
+                           method.params, method.checkpoint, target.max_len, type(speculation),
+                           speculation.plan_state(), target.compile_mode)
         self.group = group
         group.start(plan)
         self.channel = group.channel("drafter", target.device, HEADER)
