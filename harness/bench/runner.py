@@ -140,8 +140,8 @@ class Runner:
                     # One-off allocation costs stay out of the timings; a compiled step warms on a whole generation,
                     # which meets most shapes it compiles before any timing, on a served rank too (`warm` decodes
                     # a pair again only for graphs this process compiled).
-                    length = self.config.max_new_tokens
-                    length = length if self.config.compile != "off" else min(8, length)
+                    length = min(8, self.config.max_new_tokens) if self.config.compile == "off" else \
+                        self.config.max_new_tokens
                     for side in (method, reference):
                         side.generate(first, length, self._sampler(0))
                 self._loop(todo, method, reference, store, bar)

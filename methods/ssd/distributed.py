@@ -149,7 +149,6 @@ class DrafterServer:
         packed = self._recv((len(self.layers), count, self.hidden), self.dtype)
         return {layer: packed[i: i + 1] for i, layer in enumerate(self.layers)}
 
-    @torch.inference_mode()
     def serve(self) -> None:
         self.channel.serve({START: lambda values: self._generation(*values[:3])})
 
