@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from harness.runtime.kernels import pack_linears
-from harness.runtime.target import StateCache, TargetRuntime, call_layer
+from harness.runtime.state_cache import StateCache, call_layer
+from harness.runtime.target import TargetRuntime
 
 
 def module_layer_config(target_config, count: int, attention: str | None = None):

@@ -16,7 +16,8 @@ from torch import nn
 
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
-from harness.runtime.target import TargetRuntime, call_layer
+from harness.runtime.state_cache import call_layer
+from harness.runtime.target import TargetRuntime
 from methods.draft_module import DraftModule
 from methods.rounds import Node, tree_mask
 

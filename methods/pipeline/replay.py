@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.runtime.target import StateCache
+from harness.runtime.state_cache import StateCache
 from methods.base import Generation
 from methods.pipeline.scheduler import PipelineEngine
 from methods.pipeline.speculator import Speculator
