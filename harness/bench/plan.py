@@ -67,6 +67,7 @@ class WorkItem:
         words += ["--data-dir", c.data_dir] if c.data_dir else []
         words += ["--simulate"] if c.simulate else []
         words += ["--compile", c.compile] if c.compile != "off" else []
+        words += ["--kernels", c.kernels] if c.kernels != "auto" else []
         words += ["--turns", c.turns] if c.turns != "first" else []
         return shlex.join([*words, "--out", str(c.out)])
 

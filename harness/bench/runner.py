@@ -24,6 +24,7 @@ from harness.bench.config import (
 )
 from harness.bench.data import MULTI_TURN, Sample, render_conversation
 from harness.runtime import distributed as launch
+from harness.runtime import kernels
 from harness.runtime.compiled import warm
 from harness.runtime.conditions import Measuring, busy_warning, fit_threads
 from harness.runtime.errors import HarnessError
@@ -55,7 +56,8 @@ def sample_keys(key: str, sample: Sample, turns: str) -> list[SampleKey]:
 def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafter: str | None) -> str:
     """The configuration key of a run's records: everything that defines it (method, parameters, model weights,
     sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights:
-    `drafter_fingerprint`, a compiled step, and the turns protocol when every turn runs)."""
+    `drafter_fingerprint`, a compiled step, kernels other than auto's, and the turns protocol when every turn
+    runs)."""
     return config_key({
         "method": config.method,
         "params": config.params,
@@ -70,6 +72,7 @@ def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafte
                          "devices": config.stage_devices}} if config.executor == "distributed" else {}),
         **({"drafter": drafter} if drafter else {}),
         **({"compile": config.compile} if config.compile != "off" else {}),
+        **({"kernels": config.kernels} if config.kernels != "auto" else {}),
         **({"turns": config.turns} if config.turns != "first" else {}),
     })
 
@@ -346,6 +349,7 @@ def run(config: RunConfig) -> Path | None:
     """Validate, load prompts and model, run every unfinished sample, return the results file (None on a torchrun
     stage rank, which only serves its stage)."""
     validate(config)
+    kernels.choose(config.kernels)  # before the model loads (its dtype and Linears follow); ranks inherit it
     if config.executor == "distributed" and launch.under_torchrun() and int(os.environ["RANK"]) > 0:
         launch.serve_from_env(config.stage_devices, config.device, config.timeout, config.join_timeout)
         return None

@@ -31,7 +31,7 @@ SECTIONS = {
     "Prompts and lengths": ("datasets", "dataset", "data_dir", "limit", "prompts", "max_new_tokens", "turns",
                             "seq_len", "batch_size", "tokens", "epochs", "steps"),
     "Sampling": ("temperature", "temperatures", "top_k", "top_p", "seed"),
-    "Model and device": ("model", "device", "dtype", "compile_mode", "executor", "devices", "timeout", "join_timeout",
+    "Model and device": ("model", "device", "dtype", "kernels", "compile_mode", "executor", "devices", "timeout", "join_timeout",
                          "simulate", "shape", "shapes", "layers"),
     "Output": ("out", "results", "fmt", "replace", "summary", "show_plan", "as_json", "per_dataset", "shard",
                "missing", "skip_missing"),
@@ -209,7 +209,26 @@ model_option = click.option("--model", default=DEFAULT_MODEL, show_default=True,
 device_option = click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "auto"]), default=None,
                             help="Default: float32 on CPU, bfloat16 on CUDA. auto: bfloat16 on a CPU where the "
-                                 "row kernels build (faster, and lossless like fp32), else the default.")
+                                 "row kernels serve (faster; every method still decodes its runtime's own greedy "
+                                 "AR tokens, which in bf16 can part from HF's bf16 decoding at near-ties: "
+                                 "--kernels torch for that comparison), else the default.")
+
+
+def _choose_kernels(ctx, param, value):
+    from harness.runtime.kernels import choose
+
+    choose(value)  # before any model loads; served ranks inherit it
+    return value
+
+
+def kernels_option(expose: bool = True):
+    """--kernels: which CPU kernels serve the target's Linears and attention, for this process and its ranks."""
+    return click.option(
+        "--kernels", type=click.Choice(["auto", "rows", "torch"]), default="auto", show_default=True,
+        callback=_choose_kernels, expose_value=expose, envvar="SPD_BENCH_KERNELS",
+        help="CPU kernels of the target's Linears and attention: auto takes the project's row kernels where they "
+             "build (a row's result independent of the rows beside it, so verified drafts equal steps bit for bit), "
+             "rows insists on them, torch keeps torch's (oneDNN/MKL and sdpa, as HF's own decoding runs).")
 compile_option = click.option(
     "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
     help="Run the target's attention layers through torch.compile'd graphs (inductor; on a CPU a run of alike "

@@ -14,6 +14,7 @@ from harness.cli import (
     data_option,
     device_option,
     dtype_option,
+    kernels_option,
     list_values,
     main,
     model_option,
@@ -42,6 +43,7 @@ def bench():
 @dtype_option
 @data_option
 @compile_option
+@kernels_option(expose=False)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/ar.jsonl"), show_default=True)
 def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, compile_mode, out):
     """Harness AR against HF generate, alternating runs, and the machine's bandwidth floor.
@@ -79,6 +81,7 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
 @dtype_option
 @data_option
 @compile_option
+@kernels_option(expose=False)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/peer.jsonl"), show_default=True)
 def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params, device, dtype, data_dir, compile_mode,
                        out):
@@ -116,6 +119,7 @@ def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params,
 @device_option
 @dtype_option
 @data_option
+@kernels_option(expose=False)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/dispatch.jsonl"),
               show_default=True)
 def bench_dispatch_command(configurations, model, dataset, prompts, max_new_tokens, device, dtype, data_dir, out):
@@ -224,6 +228,7 @@ def bench_stage_command(model, shape, layers, n, widths, prompt_len, repeats, de
 @click.option("--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
               help="Also run every method through the compiled step (on CUDA: static shapes as CUDA graphs), "
                    "checked against the eager AR.")
+@kernels_option(expose=False)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/selfcheck.jsonl"),
               show_default=True)
 def selfcheck(device, shapes, dtype, prompts, max_new_tokens, compile_mode, out):

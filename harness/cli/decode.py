@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from harness.bench.parity import parity_methods
-from harness.cli import (_method_options, _params, _values, compile_option, list_values, main, param_options,
+from harness.cli import (_method_options, _params, _values, compile_option, kernels_option, list_values, main,
+                          param_options,
                          prompt_options, turns_option)
 from harness.reporting.paper import FLAGSHIP, GRID
 from methods.base import REGISTRY
@@ -28,6 +29,7 @@ def _served() -> str:
 @prompt_options
 @turns_option
 @compile_option
+@kernels_option()
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Results file (default results/<model>/<method>.jsonl).")
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
@@ -46,8 +48,8 @@ def _served() -> str:
                    "they serve (a spawned rank that exits meanwhile ends the wait at once).")
 @click.pass_context
 def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device,
-        dtype, data_dir, turns, compile_mode, out, checkpoint, skip_missing, simulate, executor, devices, timeout,
-        join_timeout, **named):
+        dtype, data_dir, turns, compile_mode, kernels, out, checkpoint, skip_missing, simulate, executor, devices,
+        timeout, join_timeout, **named):
     """Decode prompts with one method, check each output against greedy AR, record each sample.
 
     \b
@@ -64,7 +66,7 @@ def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, ma
         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
         data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
         executor=executor, devices=devices, timeout=timeout, join_timeout=join_timeout, compile=compile_mode,
-        turns=turns,
+        turns=turns, kernels=kernels,
     )
     path = run_config(config)
     if path is not None:  # a torchrun stage rank writes nothing
@@ -116,6 +118,7 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
 @prompt_options
 @turns_option
 @compile_option
+@kernels_option()
 @click.option("--results", type=click.Path(path_type=Path), default=None,
               help="Results root (default results/): records go to <root>/<model>/<method>.jsonl, or with --shard, "
                    "--per-dataset and in --plan's commands to <root>/<model>/<method>/<work item>.jsonl.")
@@ -130,8 +133,8 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
 @click.option("--missing", is_flag=True, help="With --plan: only the items whose records under --results are "
                                               "incomplete (a second wave reruns just those).")
 def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, max_new_tokens, limit, seed, device,
-          dtype, data_dir, turns, compile_mode, results, simulate, show_plan, as_json, per_dataset, shard, missing,
-          **param_values):
+          dtype, data_dir, turns, compile_mode, kernels, results, simulate, show_plan, as_json, per_dataset, shard,
+          missing, **param_values):
     """Run a grid of configurations, resumable, with one progress bar; trains nothing.
 
     With --plan, print its work items for a cluster scheduler; with --shard I/N, run one shard of them.
@@ -158,7 +161,7 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
         points = grid(_values(methods, str), values, _values(temperatures, float), _values(widths), (top_k, top_p))
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate, compile=compile_mode,
-                     turns=turns)
+                     turns=turns, kernels=kernels)
     root = results or Path("results")
     index, count = parse_shard(shard) if shard is not None else (1, 1)
     items = plan(points, base, per_dataset)

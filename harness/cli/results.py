@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from harness.cli import compile_option, data_option, device_option, main
+from harness.cli import compile_option, data_option, device_option, kernels_option, main
 from harness.reporting.export import formats, formats_help
 from harness.runtime.errors import HarnessError
 
@@ -135,6 +135,7 @@ def export(fmt, results, out, replace):
 @device_option
 @data_option
 @compile_option
+@kernels_option(expose=False)
 def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, turns, compile_mode, replace):
     """The regression gate against a committed baseline; exit 1 on a drop beyond noise or a lost output.
 

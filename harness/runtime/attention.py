@@ -22,17 +22,20 @@ from transformers.masking_utils import sdpa_mask
 from harness.runtime.kernels import rows_kernel_problem
 
 NAME = "spd_rows"
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes in
 
 
 def use_rows_attention(model: torch.nn.Module) -> str:
-    """Point a CPU model's attention at the row kernel where it serves; returns the attention a record names: "rows"
-    or the model's own implementation."""
+    """Point a CPU model's attention at the row kernel where it serves the model's calls (its dtype, head size and
+    layers: no sliding window); returns the attention a record names: "rows" or the implementation that serves."""
     config = model.config.get_text_config()
     current = config._attn_implementation
     if current == NAME:
         return "rows"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if current != "sdpa" or head_dim % 8 or rows_kernel_problem() is not None:
+    dtype = next(model.parameters()).dtype
+    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if current != "sdpa" or head_dim % 8 or dtype not in DTYPES or windowed or rows_kernel_problem() is not None:
         return current
     _register()
     model.set_attn_implementation(NAME)
@@ -47,17 +50,22 @@ def _register() -> None:
 
 def rows_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                    is_causal: bool | None = None, **kwargs):
-    """HF's attention function signature; [B, T, H, D] out, no weights."""
+    """HF's attention function signature; [B, T, H, D] out, no weights. Without a mask the op is causal (each row
+    sees the slots up to its own); a call that is not (`is_causal=False`, or the module's own `is_causal` False)
+    sees every slot, through a mask of all of them."""
     if not _served(module, query, key, value, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]  # as sdpa's function cuts it
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if mask is None and not causal:
+        mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device)
     return torch.ops.spd_bench.rows_attention(query, key, value, mask, scale), None
 
 
 def _served(module, query, key, value, mask, dropout: float, kwargs: dict) -> bool:
-    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
+    if query.device.type != "cpu" or query.dtype not in DTYPES:
         return False
     if key.dtype != query.dtype or value.dtype != query.dtype:
         return False

@@ -37,6 +37,7 @@ import time
 import torch
 
 from harness.runtime.errors import HarnessError, first_line
+from harness.runtime.kernels import packed_modules, refresh
 
 
 GRAPHS = 64  # the most graphs the layer step may hold
@@ -168,6 +169,7 @@ class CompiledStep:
         self.ranges = None if self.static else torch.compile(_layers_step, fullgraph=True)
         self.seconds, self.graphs, self.failed = 0.0, 0, None
         self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._packed: dict[int, tuple] = {}  # a layer's packed Linears, found once (`_refresh`)
 
     def buffer(self, owner, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                ) -> tuple[torch.Tensor, ...]:
@@ -184,6 +186,7 @@ class CompiledStep:
 
     def __call__(self, layer, *args, cache: LayerKV, **kwargs) -> torch.Tensor:
         """layer(*args, cache=cache, **kwargs), compiled."""
+        self._refresh([layer])
         if self.graphed:  # nothing a replay wrote before is still read from the pool (outputs are copied out)
             torch.compiler.cudagraph_mark_step_begin()
         out = self._compiled(self.step, _layer_step, layer, *args, cache=cache, **kwargs)
@@ -192,7 +195,16 @@ class CompiledStep:
     def layers(self, layers: list, h: torch.Tensor, kv: list[torch.Tensor], end: int, write: torch.Tensor, mask,
                position_ids, rope) -> tuple[torch.Tensor, ...]:
         """`_layers_step` on a run of alike layers (`alike_runs`), compiled as one graph."""
+        self._refresh(layers)
         return self._compiled(self.ranges, _layers_step, layers, h, kv, end, write, mask, position_ids, rope)
+
+    def _refresh(self, layers: list) -> None:
+        """Packs again the Linears of these layers whose weights changed, before a graph reads their packed copies
+        (a graph cannot look: kernels.PackedLinear checks only when eager)."""
+        for layer in layers:
+            if id(layer) not in self._packed:
+                self._packed[id(layer)] = (layer, packed_modules(layer))  # the layer kept: its id stays its own
+            refresh(self._packed[id(layer)][1])
 
     def _compiled(self, compiled, eager, *args, **kwargs):
         """compiled(*args, **kwargs), counting the graphs it compiles and their seconds; eager(...) once failed."""

@@ -205,7 +205,8 @@ def load_identity(spec: str) -> ModelIdentity:
 
 def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokenizer: bool = True) -> LoadedModel:
     """Load `spec` as a plain HF causal LM in eval mode with sdpa attention (and its tokenizer unless told not to:
-    a pipeline stage rank needs none)."""
+    a pipeline stage rank needs none). Its weights are made outside inference mode, whoever calls, so they keep the
+    version counters the CPU kernels' packed copies are checked by (kernels.PackedLinear)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
@@ -213,12 +214,14 @@ def load_model(spec: str, device: str = "cpu", dtype: str | None = None, tokeniz
     name, folder = resolve_model_dir(spec)
     identity = ModelIdentity(name=name, weights_sha256=weights_sha256(folder))
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+        with torch.inference_mode(False):
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
         loaded_tokenizer = AutoTokenizer.from_pretrained(folder) if tokenizer else None
     except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged or foreign config.json, tokenizer files
         raise HarnessError(f"model {spec!r} ({folder}) does not load as a causal LM ({first_line(exc)}); fix its "
                            f"config.json and tokenizer files or pass another model") from None
-    model.to(torch_device).eval()
+    with torch.inference_mode(False):
+        model.to(torch_device).eval()
     return LoadedModel(model=model, tokenizer=loaded_tokenizer, identity=identity, device=torch_device,
                        dtype=torch_dtype)
 

@@ -14,6 +14,15 @@ def cache_dir() -> Path:
     return path
 
 
+def kernel_cache_dir() -> Path:
+    """Where the native kernels build: `$SPD_BENCH_KERNEL_CACHE`, else `spd-bench/kernels` in the user's cache
+    (`$XDG_CACHE_HOME` or ~/.cache). Not under `$SPD_BENCH_CACHE`: a build is named by everything that decides it,
+    so every checkout, venv and private test cache can share it, and a fresh `$SPD_BENCH_CACHE` does not rebuild."""
+    if root := os.environ.get("SPD_BENCH_KERNEL_CACHE"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spd-bench" / "kernels"
+
+
 def check_out_path(out: Path, folder: bool) -> None:
     """`--out` can be written as a folder (`folder`) or as a file: it is not the other kind, and the nearest part of
     it that exists is a folder (not a file it would have to lie under). One line naming the fix otherwise."""

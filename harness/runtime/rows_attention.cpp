@@ -18,13 +18,7 @@
 namespace {
 
 using rows::load;
-
-inline float reduce(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehdup_ps(s));
-  s = _mm_add_ss(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(s);
-}
+using rows::reduce;
 
 // q (fp32, D values) against one key: two 8-lane partial sums over alternate blocks of eight, added in a fixed order.
 template <typename T>
@@ -91,28 +85,44 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
 
 }  // namespace
 
-// query [B, H, Tq, D], key and value [B, Hkv, S, D] (H a multiple of Hkv), mask: boolean [Tq, S] (broadcast over
-// batch and heads) or none (each row sees the slots up to its own, the call's rows being the last Tq slots).
-// Returns [B, Tq, H, D] in the query's dtype, as HF's attention functions do.
+// query [B, H, Tq, D], key and value [B, Hkv, S, D] (H a multiple of Hkv, D a positive multiple of 8), mask:
+// boolean [Tq, S] (broadcast over batch and heads) or none (each row sees the slots up to its own, the call's rows
+// being the last Tq slots, so S >= Tq), all on the CPU. Every size the loops read by is checked here, so a caller's
+// mistake is one error, never a read past a buffer. Returns [B, Tq, H, D] in the query's dtype, as HF's attention
+// functions do.
 at::Tensor rows_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const c10::optional<at::Tensor>& mask, double scale) {
   const auto dtype = query.scalar_type();
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() &&
+                  (!mask.has_value() || mask->device().is_cpu()),
+              "rows_attention runs on CPU tensors only");
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && key.scalar_type() == dtype &&
                   value.scalar_type() == dtype,
               "rows_attention takes fp32 or bf16 query, key and value of one dtype");
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(3) % 8 == 0 &&
-                  key.size(1) > 0 && query.size(1) % key.size(1) == 0 && key.sizes() == value.sizes(),
-              "rows_attention: query [B, H, T, D] (D a multiple of 8), key and value [B, Hkv, S, D]");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "rows_attention: query [B, H, T, D], key and value [B, Hkv, S, D], got ", query.sizes(), ", ",
+              key.sizes(), ", ", value.sizes());
+  const int64_t B = query.size(0), H = query.size(1), Tq = query.size(2), D = query.size(3);
+  TORCH_CHECK(D > 0 && D % 8 == 0, "rows_attention: the head dimension (", D, ") is not a positive multiple of 8");
+  TORCH_CHECK(key.sizes() == value.sizes(), "rows_attention: key ", key.sizes(), " and value ", value.sizes(),
+              " differ");
+  TORCH_CHECK(key.size(0) == B && key.size(3) == D, "rows_attention: key and value ", key.sizes(),
+              " do not match the query's batch ", B, " and head dimension ", D);
+  TORCH_CHECK(key.size(1) > 0 && H % key.size(1) == 0, "rows_attention: ", H, " query heads are not a multiple of ",
+              key.size(1), " key heads");
+  const int64_t S = key.size(2);
+  TORCH_CHECK(mask.has_value() || S >= Tq, "rows_attention: without a mask the ", Tq,
+              " query rows are the last of the keys' slots, but there are only ", S);
   const at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
   const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
   at::Tensor seen;
   if (mask.has_value()) {
-    seen = mask->reshape({-1, mask->size(-2), mask->size(-1)});
-    TORCH_CHECK(mask->scalar_type() == at::kBool && seen.size(0) == 1 && seen.size(1) == q.size(2) &&
-                    seen.size(2) == k.size(2),
-                "rows_attention: the mask is boolean [Tq, S], shared by batch and heads");
-    seen = seen[0].contiguous();
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() >= 2 && mask->size(-2) == Tq &&
+                    mask->size(-1) == S && mask->numel() == Tq * S,
+                "rows_attention: the mask is boolean [Tq, S] = [", Tq, ", ", S, "], shared by batch and heads, got ",
+                mask->scalar_type(), " ", mask->sizes());
+    seen = mask->reshape({Tq, S}).contiguous();
   }
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options().dtype(at::kFloat));
   const bool* mp = seen.defined() ? seen.data_ptr<bool>() : nullptr;

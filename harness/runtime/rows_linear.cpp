@@ -163,24 +163,35 @@ void rows_times_panels(const float* x, const W* panels, const float* bias, float
 
 }  // namespace
 
+// x [..., K] of the panels' dtype (fp32 or bf16), panels [N/8, K, 8] (pack_rows; contiguous, K > 0), bias [N] of
+// that dtype or none, all on the CPU: every size the tiles read by is checked here, so a caller's mistake is one
+// error, never a read past a buffer.
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
-  const bool bf16 = panels.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || panels.scalar_type() == at::kFloat) && panels.dim() == 3 && panels.size(2) == 8 &&
-                  panels.is_contiguous(),
-              "rows_linear takes contiguous fp32 or bf16 panels [N/8, K, 8] (pack_rows)");
-  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  const auto dtype = panels.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
+              "rows_linear runs on CPU tensors only");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rows_linear takes fp32 or bf16 panels, got ", dtype);
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 8 && panels.size(1) > 0 && panels.is_contiguous(),
+              "rows_linear takes contiguous panels [N/8, K, 8] with K > 0 (pack_rows), got ", panels.sizes());
+  const int64_t K = panels.size(1), N = panels.size(0) * 8;
+  TORCH_CHECK(x.scalar_type() == dtype, "rows_linear: x is ", x.scalar_type(), ", the panels ", dtype);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "rows_linear: x ", x.sizes(), " against panels of ", K,
+              " input features");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == N, "rows_linear: the bias ",
+                bias->sizes(), " (", bias->scalar_type(), ") is not [", N, "] of the panels' dtype");
+  const at::Tensor rows = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const int64_t R = rows.size(0), K = rows.size(1), N = panels.size(0) * 8;
-  TORCH_CHECK(K == panels.size(1), "rows_linear: input features ", K, " against the weight's ", panels.size(1));
+  const int64_t R = rows.size(0);
   at::Tensor out = at::empty({R, N}, rows.options());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (bf16)
+  if (dtype == at::kBFloat16)
     rows_times_panels(rows.data_ptr<float>(), panels.data_ptr<at::BFloat16>(), bp, out.data_ptr<float>(), R, K, N);
   else
     rows_times_panels(rows.data_ptr<float>(), panels.data_ptr<float>(), bp, out.data_ptr<float>(), R, K, N);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
-  return out.to(x.scalar_type()).view(shape);
+  return out.to(dtype).view(shape);
 }
 
 TORCH_LIBRARY(spd_bench, m) { m.def("rows_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor"); }

@@ -16,7 +16,7 @@ import torch
 
 from harness.runtime.attention import use_rows_attention
 from harness.runtime.compiled import CompiledStep, alike_runs
-from harness.runtime.kernels import pack_linears
+from harness.runtime.kernels import chosen, kernels_build, pack_linears
 from harness.runtime.state_cache import Positions, StateCache
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
@@ -93,9 +93,9 @@ class TargetRuntime:
         self._costs: dict[int, list[float]] = {}
 
     def engine(self) -> dict:
-        """What a record says about how the target ran: its Linears' and attention's kernels and, when asked for,
-        the compiled step."""
-        return {"linears": self.linears, "attention": self.attention,
+        """What a record says about how the target ran: the --kernels choice, the kernels its Linears and attention
+        took and, when asked for, the compiled step."""
+        return {"kernels": chosen(), "linears": self.linears, "attention": self.attention,
                 **({"compile": self.compiled.conditions()} if self.compiled else {})}
 
     @property
@@ -105,10 +105,12 @@ class TargetRuntime:
 
     def numerics(self) -> str:
         """What besides the weights, dtype and device decides this runtime's greedy tokens: its Linears' and
-        attention's kernels and the compiled step's form (each sums in its own order, so a near-tie can fall either
-        way between two of them)."""
+        attention's kernels (the row kernels' sources by their hash: a changed kernel may sum in another order) and
+        the compiled step's form (each sums in its own order, so a near-tie can fall either way between two of
+        them)."""
         step = "eager" if self.compiled is None else "static" if self.compiled.static else "runs"
-        return f"{self.linears}-{self.attention}-{step}"
+        build = f"-{kernels_build()}" if "rows" in (self.linears, self.attention) else ""
+        return f"{self.linears}-{self.attention}-{step}{build}"
 
     @property
     def has_linear_layers(self) -> bool:
