@@ -107,10 +107,12 @@ def test_a_short_fuzz_serves_consistent_shapes_as_torch_does_and_refuses_the_res
 def test_a_long_fuzz_reads_nothing_past_a_buffer_under_addresssanitizer():
     """An ASan build of the kernels (its own folder in the kernel cache), fuzzed in a process of its own: any
     out-of-bounds read aborts it with ASan's report."""
-    runtime = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not runtime or not Path(runtime).exists():
+    found = [subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+             for name in ("libasan.so", "libstdc++.so")]
+    if not all(Path(path).is_absolute() and Path(path).exists() for path in found):
         pytest.skip("gcc's AddressSanitizer runtime is not installed")
-    env = {**os.environ, "SPD_BENCH_SANITIZE": "address", "LD_PRELOAD": runtime,
+    # ASan first; libstdc++ with it, so ASan's interceptor of C++ throws finds the real one (an op's error is one)
+    env = {**os.environ, "SPD_BENCH_SANITIZE": "address", "LD_PRELOAD": " ".join(found),
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1"}
     cases = os.environ.get("SPD_BENCH_FUZZ_CASES", "3000")
     done = subprocess.run([sys.executable, __file__, cases, "1"], env=env, capture_output=True, text=True,

@@ -70,15 +70,71 @@ def make_folder(folder: Path, what: str) -> Path:
 def replace_whole(target: Path, data: str | bytes) -> None:
     """Write `target` through a temporary file named for this process alone and one rename: processes writing the
     same file at once (ranks filling one cache) each leave a whole file, the last one's."""
+    tmp = _beside(target, data)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _beside(target: Path, data: str | bytes) -> Path:
+    """`data` in a temporary file in `target`'s folder (so the rename into place never crosses a filesystem), with
+    the mode `target` has (a private file stays private) or, for a new file, the one the umask gives."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+        os.chmod(tmp, _mode_for(target))
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
+
+
+def _mode_for(target: Path) -> int:
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _move_all(pairs: list[tuple[Path, Path]], what: str) -> None:
+    """Each source's bytes to its target, all or none: first every file is written beside its target (a failure
+    there removes them and changes nothing), then each is renamed into place within its own folder, the file it
+    replaces kept aside until all are in (a failure there puts every one back)."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for source, target in pairs:
+            make_folder(target.parent, what)
+            staged.append((_beside(target, source.read_bytes()), target))
+    except OSError as exc:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise HarnessError(f"cannot write {what} {pairs[len(staged)][1]} ({exc.strerror}); nothing was written; "
+                           f"pass another path") from None
+    done: list[tuple[Path, Path | None]] = []
+    try:
+        for tmp, target in staged:
+            aside = target.with_name(f".{target.name}.{os.getpid()}.old") if target.exists() else None
+            if aside is not None:
+                os.replace(target, aside)
+            done.append((target, aside))
+            os.replace(tmp, target)
+    except BaseException:
+        for target, aside in reversed(done):
+            if aside is not None:
+                os.replace(aside, target)
+            elif target.exists():
+                target.unlink()
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for _, aside in done:
+        if aside is not None:
+            aside.unlink(missing_ok=True)
 
 
 class Outputs:
@@ -107,17 +163,16 @@ class Outputs:
 
     @contextmanager
     def staged(self, folder: Path) -> Iterator[Path]:
-        """A private staging folder beside `folder`: what the block writes there is moved into `folder` when it
-        ends, every file checked first, so all of them appear or none."""
+        """A private staging folder: what the block writes there is moved into `folder` when it ends, every file
+        checked first and each written beside its final target (a symlinked target on another filesystem too), so
+        all of them appear or none."""
         make_folder(folder, self.what)
         staging = Path(tempfile.mkdtemp(dir=folder, prefix=".staging-"))
         try:
             yield staging
             files = sorted(p for p in staging.rglob("*") if p.is_file())
             targets = [self.claim(folder / p.relative_to(staging)) for p in files]
-            for source, target in zip(files, targets):
-                make_folder(target.parent, self.what)
-                os.replace(source, target)
-                self.written.add(target)
+            _move_all(list(zip(files, targets)), self.what)
+            self.written.update(targets)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
