@@ -29,6 +29,7 @@ class Generation:
     position_accepts: list[int] = field(default_factory=list)  # accepted drafts per draft position
     timing: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, components
     stats: Stats = field(default_factory=Stats)  # the family's counters and shape (its Method.Stats)
+    drafts: dict = field(default_factory=dict)  # what its drafter proposed (methods/drafts.py), set by the runner
 
 
 class ParityCheck(Protocol):
@@ -297,8 +298,10 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def parse_params(cls: type[Method], raw: dict):
-    """Build the method's Params from a dict, rejecting unknown names."""
+    """Build the method's Params from a dict, rejecting unknown names, values of the wrong type and values outside
+    a parameter's `choices`."""
     types = {f.name: getattr(f.type, "__name__", str(f.type)) for f in fields(cls.Params)}
+    choices = {f.name: f.metadata.get("choices") for f in fields(cls.Params)}
     unknown = set(raw) - set(types)
     if unknown:
         allowed = ", ".join(sorted(types)) or "none"
@@ -316,6 +319,9 @@ def parse_params(cls: type[Method], raw: dict):
             values[name] = str(value)
         elif types[name] == "str" and not isinstance(value, str):
             raise ValueError(f"parameter {name} of {cls.name} wants a word, got {value!r}")
+        if choices[name] and values[name] not in choices[name]:
+            raise ValueError(f"parameter {name} of {cls.name} takes {' or '.join(map(str, choices[name]))}, got "
+                             f"{values[name]!r}")
     return cls.Params(**values)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.runtime.target import TargetRuntime
+from methods import drafts as drafts_log
 from methods.base import Generation, PositionAxis, Timer, commit
 from methods.sampling import Sampler
 from methods.stats import Record, Stats
@@ -186,6 +187,7 @@ def verify_chain(target: TargetRuntime, layers: tuple[int, ...], drafts: Chain, 
     else:
         decision = chain_rejection_on_device(drafts.tokens, drafts.q, sampler.probs(logits), sampler.generator)
     count, bonus, *tokens = torch.cat([decision, drafts.tokens]).tolist()  # the step's one read back
+    drafts_log.note(tokens)
     target.truncate(base + 1 + count)
     return count, tokens[:count] + [bonus], {layer: h[:, : count + 1] for layer, h in captured.items()}
 
@@ -213,8 +215,9 @@ def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last
     else:
         decision = tree_rejection_on_device(beam.parents, beam.tokens, sampler.probs(logits), beam.levels,
                                             sampler.generator)
-    read = torch.cat([decision, beam.tokens]).tolist()  # the round's one read back
-    walk, bonus, tokens = read[: beam.levels], read[beam.levels], read[beam.levels + 1:]
+    read = torch.cat([decision, beam.tokens, beam.parents]).tolist()  # the round's one read back
+    walk, bonus, tokens = read[: beam.levels], read[beam.levels], read[beam.levels + 1: beam.levels + 1 + count]
+    drafts_log.note(tokens, read[beam.levels + 1 + count:])
     accepted = [i for i in walk if i >= 0]
     if accepted != list(range(len(accepted))):  # the accepted branch's KV moves into place
         target.cache.move([base + 1 + i for i in accepted], base + 1)
@@ -241,6 +244,7 @@ def _greedy_walk(beam: Beam, best: torch.Tensor) -> torch.Tensor:
 
 def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
     parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
+    drafts_log.note(tokens, parents)
     if sampler.greedy:
         return verify_tree(parents, tokens, logits.argmax(-1).tolist())
     p, drafts = sampler.probs(logits), torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -266,6 +270,7 @@ def trajectory_verifier(teacher: Teacher):
             position = base + node.depth
             on_path.append(parent_ok and position < teacher.length and node.token == teacher.token(position))
             argmax.append(teacher.token(position + 1) if on_path[-1] and position + 1 < teacher.length else -1)
+        drafts_log.note([n.token for n in nodes], [n.parent for n in nodes])
         path, bonus = verify_tree([n.parent for n in nodes], [n.token for n in nodes], argmax)
         features = {layer: h[:, base: base + len(path) + 1] for layer, h in teacher.features.items()}
         return path, bonus, features

@@ -230,3 +230,69 @@ def test_a_rerun_judges_only_what_it_decoded_never_records_already_in_its_folder
     assert code == 0 and "all configurations pass" in output, output
     assert f"rerun records: {results}/rerun-" in output
     assert resumable.read_text() == "".join(json.dumps(r) + "\n" for r in tampered)  # left as it was
+
+
+def _drafted(rows, weights, digest=lambda r: f"d{r['dataset']}{r['question_id']}"):
+    """The rows with a drafter fingerprint and a digest of what it proposed per prompt."""
+    return [dict(r, stats={**r["stats"], "drafter": weights}, drafts={"digest": digest(r), "rounds": 5})
+            for r in rows]
+
+
+def test_a_drafter_whose_proposals_or_weights_changed_fails_and_says_which(tmp_path):
+    """Fails on a16459a: a drafter with a layer scaled by 0.5 passed with the baseline's accept counts."""
+    rows = _drafted(_prompts("eagle3", EAGLE), "e35e508e" + "0" * 56)
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, rows)
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    assert _check("--baseline", baseline, "--results", results)[0] == 0
+    tampered = _drafted(rows, "64a3cc67" + "0" * 56,
+                        digest=lambda r: "changed" if r["question_id"] == 1 else f"d{r['dataset']}{r['question_id']}")
+    _write(results, tampered)  # the same accept counts
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "drafter weights changed (e35e508e -> 64a3cc67)" in output, output
+    assert "proposed drafts changed on 2 of 10 prompts" in output
+    same_weights = _drafted(rows, "e35e508e" + "0" * 56, digest=lambda r: "changed")
+    _write(results, same_weights)
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "proposed drafts changed on 10 of 10 prompts with the weights unchanged" in output
+
+
+def test_at_t1_proposals_follow_the_seed_and_only_the_weights_are_compared(tmp_path):
+    def seeded(seed, weights):
+        return _drafted(_prompts("eagle3", EAGLE, seed, 1.0), weights, digest=lambda r: f"{seed}-{r['question_id']}")
+    results, baseline = tmp_path / "r", tmp_path / "baseline.json"
+    results.mkdir()
+    _write(results / "seeds.jsonl", seeded(0, "a" * 64) + seeded(1, "a" * 64) + seeded(2, "a" * 64))
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    _write(results / "seeds.jsonl", seeded(3, "a" * 64))
+    assert _check("--baseline", baseline, "--results", results)[0] == 0
+    _write(results / "seeds.jsonl", seeded(3, "b" * 64))
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "drafter weights changed (aaaaaaaa -> bbbbbbbb)" in output
+
+
+@pytest.mark.parametrize("cut", ["record", "figure"])
+def test_a_cut_baseline_whose_figures_disagree_with_its_records_is_refused(tmp_path, cut):
+    rows = _prompts("spd", SPD)
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, rows)
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    entries = json.loads(baseline.read_text())
+    if cut == "record":  # prompts dropped to make the gate cheaper, the figures kept
+        entries[0]["records"] = entries[0]["records"][:6]
+        entries[0]["samples"] = 6
+    else:
+        entries[0]["figures"]["acceptance"]["value"] += 0.1
+    baseline.write_text(json.dumps(entries))
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 2 and "is not what its records pool to" in output and "write one with" in output
+
+
+def test_a_gate_over_records_of_none_of_its_configurations_names_rerun(tmp_path):
+    rows = _prompts("spd", SPD)
+    results, baseline = tmp_path / "r.jsonl", tmp_path / "baseline.json"
+    _write(results, rows)
+    assert _check("--baseline", baseline, "--results", results, "--write")[0] == 0
+    _write(results, _prompts("eagle3", EAGLE))
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "missing" in output and "add --rerun" in output  # fails on a16459a: no hint

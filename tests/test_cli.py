@@ -431,3 +431,58 @@ def test_a_record_is_modified_by_uncommitted_code_not_by_the_results_a_run_appen
     assert tree_identity(tmp_path)["modified"] is False
     (tmp_path / "code.py").write_text("changed\n")
     assert tree_identity(tmp_path)["modified"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    # each fails on a16459a: decoded as `all` / a traceback / measured, then raised IsADirectoryError
+    (["run", "--method", "lookup", "--length", "banana"], "parameter length of lookup takes all or cost"),
+    (["run", "--method", "lookup", "--param", "length=banana"], "parameter length of lookup takes all or cost"),
+    (["bench", "dispatch", "--method", "lookup:length=banana"], "parameter length of lookup takes all or cost"),
+    (["bench", "peer", "--method", "lookup", "--param", "length=banana"], "takes all or cost"),
+    (["bench", "peer", "--method", "lookup", "--param", "k=0"], "k and min_ngram must be >= 1"),
+    (["run", "--kernels", "fast"], "'fast' is not one of 'auto', 'rows', 'torch'"),
+])
+def test_bad_method_parameters_are_one_line_before_anything_loads(args, message, cache):
+    code, output = _run(*args)
+    assert code == 2 and message in output and output.count("\n") == 1, output
+
+
+@pytest.mark.parametrize("command", [["bench", "ar"], ["bench", "peer", "--method", "lookup"],
+                                     ["bench", "dispatch"], ["selfcheck", "--device", "cpu", "--shapes", "tiny"]])
+def test_a_benchmark_whose_out_is_a_folder_stops_before_it_measures(command, tmp_path, cache):
+    code, output = _run(*command, "--out", str(tmp_path))
+    assert code == 2 and "is a folder" in output and output.count("\n") == 1, output
+
+
+def test_turns_all_on_single_turn_sets_says_so_once_and_runs_as_turns_first(capsys):
+    """Fails on a16459a: nothing was said and the configuration was keyed as another protocol."""
+    from harness.bench.config import RunConfig, validate
+
+    for _ in range(3):  # a sweep validates every configuration
+        config = RunConfig(method="autoregressive", datasets=("gsm8k",), turns="all")
+        validate(config)
+        assert config.turns == "first"
+    assert capsys.readouterr().err.count("--turns all: gsm8k have one turn per question") == 1
+    mixed = RunConfig(method="autoregressive", datasets=("mt_bench", "humaneval"), turns="all")
+    validate(mixed)
+    assert mixed.turns == "all" and "humaneval have one turn per question; they run it" in capsys.readouterr().err
+
+
+def test_kernels_torch_is_recorded_and_keys_its_own_configuration(tiny_dir, eval_dir, tmp_path, cache, monkeypatch):
+    """Fails on a16459a: no --kernels option, so no run could take torch's kernels where the row kernels build."""
+    from harness.runtime import kernels
+
+    monkeypatch.setenv(kernels.CHOICE_VARIABLE, "auto")
+    base = ["run", "--model", str(tiny_dir), "--dataset", "gsm8k", "--limit", "1", "--max-new-tokens", "6",
+            "--data-dir", str(eval_dir), "--dtype", "bfloat16", "--out", str(tmp_path / "r.jsonl")]
+    try:
+        assert _run(*base)[0] == 0
+        code, output = _run(*base, "--kernels", "torch")
+        assert code == 0, output
+    finally:
+        kernels.choose("auto")
+    rows = _records(tmp_path / "r.jsonl")
+    assert [r["conditions"]["kernels"] for r in rows] == ["auto", "torch"]
+    assert [r["conditions"]["linears"] for r in rows] == ["rows", "default"]
+    assert [r["conditions"]["attention"] for r in rows] == ["rows", "sdpa"]
+    assert rows[0]["config_key"] != rows[1]["config_key"] and all(r["lossless"]["identical"] for r in rows)

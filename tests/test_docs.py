@@ -151,3 +151,27 @@ def test_each_command_help_says_what_it_does_and_shows_an_example(at_root):
         examples = [line.strip() for line in text.splitlines() if line.strip().startswith("spd-bench ")]
         assert examples, f"{' '.join(path)} --help shows no example"
         assert [p for p in map(command_problem, examples) if p] == []
+
+
+def test_every_run_in_the_readmes_methods_table_has_its_drafter_or_says_to_train_it_first():
+    """A fresh clone ships only the main job's drafters: a row whose run needs another one names the training
+    command first (fails on a16459a: `--schedule output` and `ppsd` rows said only `run`)."""
+    import methods  # noqa: F401  (fills the registry)
+    from harness.runtime.checkpoints import SHIPPED
+    from methods.base import REGISTRY, parse_params
+
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
+    checked = 0
+    for row in rows:
+        for line in INLINE.findall(row):
+            words = shlex.split(line)
+            if words[:2] != ["spd-bench", "run"]:
+                continue
+            options = dict(zip(words[2::2], words[3::2]))
+            cls = REGISTRY[options.pop("--method")]
+            params = {k.removeprefix("--").replace("-", "_"): int(v) if v.isdigit() else v for k, v in options.items()}
+            needed = cls.drafter(parse_params(cls, params))
+            shipped = needed is None or (SHIPPED / "smollm2-135m" / f"{cls.drafter_family()}-{needed[0]}").exists()
+            assert shipped or "spd-bench train" in row.split(line)[0], row
+            checked += 1
+    assert checked >= 6

@@ -11,6 +11,7 @@ from tiny_models import tiny_model
 
 from harness.runtime.target import TargetRuntime
 from methods.autoregressive import Autoregressive
+from methods.drafts import drafted
 from methods.eagle3.head import EagleConfig, EagleHead, ttt_logits
 from methods.eagle3.method import EAGLE3, EagleParams
 from methods.pipeline.grouped_layout import grouped_logits
@@ -93,10 +94,16 @@ def _assert_same(method, sampling: SamplingConfig = GREEDY, seed: int = 0) -> No
     """Executed and simulated runs agree on every count, and accepts and rejects mix (so the test can't be vacuous)."""
     accepted = rejected = 0
     for prompt in PROMPTS:
-        executed = method.generate(prompt, NEW, Sampler(sampling, torch.Generator().manual_seed(seed)))
-        simulated = method.simulate(prompt, executed.output_ids, NEW,
-                                    Sampler(sampling, torch.Generator().manual_seed(seed)))
+        with drafted() as executed_drafts:
+            executed = method.generate(prompt, NEW, Sampler(sampling, torch.Generator().manual_seed(seed)))
+        with drafted() as simulated_drafts:
+            simulated = method.simulate(prompt, executed.output_ids, NEW,
+                                        Sampler(sampling, torch.Generator().manual_seed(seed)))
         assert simulated.output_ids == executed.output_ids
+        if sampling.greedy:  # every executed round's proposals are logged (what the regression gate compares) ...
+            assert executed_drafts.rounds > 0
+        if sampling.greedy and isinstance(method, EAGLE3) and method.params.width > 1:  # ... and a tree replay's
+            assert simulated_drafts.record() == executed_drafts.record()  # round for round as executed
         assert simulated.steps == executed.steps
         assert simulated.accepted == executed.accepted
         assert simulated.position_accepts == executed.position_accepts

@@ -3,13 +3,15 @@ command line through the record; here it is validated, and its prompts, drafter 
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 import methods  # noqa: F401  (fills the registry)
-from harness.bench.data import TURNS, Sample, load_samples
+from harness.bench.data import MULTI_TURN, TURNS, Sample, load_samples
 from harness.runtime import checkpoints
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
@@ -90,7 +92,27 @@ def validate(config: RunConfig) -> None:
         raise HarnessError(f"--max-new-tokens must be a positive integer, got {config.max_new_tokens}")
     if config.turns not in TURNS:
         raise HarnessError(f"--turns must be one of {', '.join(TURNS)}, got {config.turns!r}")
+    single_turn_sets(config)
     validate_executor(config, cls)
+
+
+def single_turn_sets(config: RunConfig) -> None:
+    """--turns all over sets whose questions have one turn each: they run that turn, said once here. A run of such
+    sets alone is keyed and recorded as --turns first, the run it is."""
+    single = [name for name in config.datasets if name not in MULTI_TURN]
+    if config.turns != "all" or not single:
+        return
+    if len(single) == len(config.datasets):
+        config.turns = "first"
+        _say_once(f"--turns all: {', '.join(single)} have one turn per question; running it as --turns first")
+    else:
+        _say_once(f"--turns all: {', '.join(single)} have one turn per question; they run it")
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    """A note a process prints once, however many configurations of a sweep are validated."""
+    tqdm.write(line, file=sys.stderr)
 
 
 def validate_executor(config: RunConfig, cls) -> None:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from harness.bench.config import REFERENCE_METHOD
+from harness.bench.config import REFERENCE_METHOD, RunConfig, validate
 from harness.bench.data import load_samples, render_prompt
 from harness.bench.speed_ar import hf_generate, timed
 from harness.runtime.compiled import warm
@@ -57,6 +57,7 @@ def bench_peer(method: str, model: str, datasets: list[str], prompts: int, max_n
                device: str, dtype: str | None, data_dir: str | None, compile: str = "off") -> PeerBench:
     if method not in peers():
         raise HarnessError(f"HF generate implements no {method!r}; bench peer takes {', '.join(peers())}")
+    validate(RunConfig(method=method, params=dict(params), model=model, device=device, dtype=dtype))  # before loading
     loaded = load_model(model, device, dtype)
     reference = load_model(model, device, dtype)  # HF generate runs on an untouched copy, as a user would load it
     samples = [(name, i, s) for name in datasets for i, s in enumerate(load_samples(name, data_dir, prompts))]

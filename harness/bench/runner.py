@@ -34,6 +34,7 @@ from harness.runtime.provenance import versions
 from harness.runtime.results import Record, ResultStore, SampleKey, config_key, row_key, sample_key
 from harness.runtime.target import TargetRuntime
 from methods.base import Method, build_method, check_fit
+from methods.drafts import drafted
 from methods.sampling import Sampler, SamplingConfig
 
 
@@ -250,7 +251,10 @@ class Runner:
             trajectory = self.greedy_reference(prompt, reference)
         else:
             trajectory = self.sampled_reference(prompt, reference, seed)
-        return method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
+        with drafted() as log:
+            generation = method.simulate(prompt, trajectory, self.config.max_new_tokens, self._sampler(seed))
+        generation.drafts = log.record()
+        return generation
 
     def sampled_reference(self, prompt: list[int], reference: Method, seed: int) -> list[int]:
         """AR output for the prompt sampled with this run's sampling from `seed`: cached, else decoded now."""
@@ -274,7 +278,10 @@ class Runner:
         """The method and, unless it is AR itself, AR on the same prompt and seed, in alternating order."""
 
         def run(m: Method):
-            return m.generate(prompt, self.config.max_new_tokens, self._sampler(seed))
+            with drafted() as log:
+                generation = m.generate(prompt, self.config.max_new_tokens, self._sampler(seed))
+            generation.drafts = log.record()
+            return generation
 
         if self.config.method == REFERENCE_METHOD or not self.config.baseline:
             return run(method), None
@@ -320,6 +327,7 @@ class Runner:
             steps=generation.steps,
             accepted=generation.accepted,
             position_accepts=generation.position_accepts,
+            drafts=generation.drafts,
             timing={} if c.simulate else {k: round(v, 6) for k, v in generation.timing.items()},
             lossless=lossless,
             config_key=self.key,

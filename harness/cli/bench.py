@@ -23,6 +23,14 @@ from harness.cli import (
 from harness.cli.drafters import _drafter_specs
 
 
+def _writable(out: Path) -> None:
+    """The records file a benchmark appends to, checked before it measures (a folder or a device is refused in one
+    line, not after the measurement)."""
+    from harness.runtime.results import ResultStore
+
+    ResultStore(out).load()
+
+
 @main.group()
 def bench():
     """Speed and engine benchmarks (figures go to results/bench/).
@@ -54,6 +62,7 @@ def bench_ar_command(model, dataset, prompts, max_new_tokens, repeats, device, d
     """
     from harness.bench.speed_ar import bench_ar, save
 
+    _writable(out)
     result = bench_ar(model, dataset, prompts, max_new_tokens, repeats, device, dtype, data_dir, compile_mode)
     save(result, out)
     click.echo(f"outputs identical to HF generate: {result.identical}")
@@ -100,6 +109,7 @@ def bench_peer_command(method, model, datasets, prompts, max_new_tokens, params,
     from harness.reporting.peers import table
 
     _, values = parse_configuration(method + ":" + ",".join(params))
+    _writable(out)
     result = peer.bench_peer(method, model, list(datasets), prompts, max_new_tokens, values, device, dtype, data_dir,
                              compile_mode)
     peer.save(result, out)
@@ -133,6 +143,7 @@ def bench_dispatch_command(configurations, model, dataset, prompts, max_new_toke
     """
     from harness.bench import dispatch
 
+    _writable(out)
     results = dispatch.bench_dispatch(list(configurations) or dispatch.default_configurations(), model, dataset,
                                       prompts, max_new_tokens, device, dtype, data_dir, skip_missing=not configurations)
     dispatch.record(results, out)
@@ -243,6 +254,7 @@ def selfcheck(device, shapes, dtype, prompts, max_new_tokens, compile_mode, out)
     from harness.runtime.results import ResultStore
 
     resolve_device(device)  # a missing CUDA device fails here, in one line
+    _writable(out)
     checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(pick_dtype(dtype, device)),
                              compile_mode)
     store = ResultStore(out)

@@ -143,7 +143,7 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
     Example:
       spd-bench sweep --preset paper --simulate --limit 10
     """
-    from harness.bench.config import RunConfig, validate
+    from harness.bench.config import RunConfig, single_turn_sets, validate
     from harness.bench.plan import incomplete, parse_shard, plan
     from harness.bench.plan import shard as shard_of
     from harness.bench.sweep import configs, grid
@@ -162,6 +162,7 @@ def sweep(preset, methods, widths, temperatures, top_k, top_p, model, datasets, 
     base = RunConfig(model=model, datasets=datasets, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                      device=device, dtype=dtype, data_dir=data_dir, simulate=simulate, compile=compile_mode,
                      turns=turns, kernels=kernels)
+    single_turn_sets(base)
     root = results or Path("results")
     index, count = parse_shard(shard) if shard is not None else (1, 1)
     items = plan(points, base, per_dataset)

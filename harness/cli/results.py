@@ -182,5 +182,8 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
     click.echo(regression.table(outcomes), nl=False)
     failed = [o for o in outcomes if not o.ok]
     click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")
+    if failed and not rerun and all(o.verdict == "missing" for o in outcomes):
+        click.echo(f"hint: no records under {results} are of the baseline's configurations (its drafters, lengths or "
+                   f"prompts differ); add --rerun to decode them now", err=True)
     if failed:
         raise SystemExit(1)

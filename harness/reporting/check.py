@@ -36,7 +36,7 @@ FIGURES = {"tokens_per_step": "tokens/step", "acceptance": "acceptance"}
 # What a baseline keeps of each record: enough to pool its figures again (texts, token lists and versions dropped).
 RECORD_FIELDS = ("method", "params", "model", "dataset", "question_id", "temperature", "top_k", "top_p",
                  "max_new_tokens", "seed", "dtype", "simulated", "config_key", "new_tokens", "steps",
-                 "position_accepts", "lossless", "timing", "stats", "turn", "turns")
+                 "position_accepts", "lossless", "timing", "stats", "turn", "turns", "drafts")
 
 
 @dataclass
@@ -210,10 +210,24 @@ def read_baseline(path: Path) -> list[Expected]:
                 raise ValueError(f"entry {e.label!r} checks no figure")
             if not all(_finite(f.value, f.low, f.high, *f.seeds) for f in e.figures.values()):
                 raise ValueError(f"entry {e.label!r} has a figure that is not a finite number")
+            _agrees_with_its_records(e)
             expected.append(e)
         return expected
     except (OSError, ValueError, TypeError, KeyError, AttributeError, HarnessError) as exc:
         raise HarnessError(f"cannot read baseline {path} ({exc}); write one with spd-bench check --write") from None
+
+
+def _agrees_with_its_records(e: Expected) -> None:
+    """A baseline's stored figures are its records pooled: an entry cut or edited by hand, whose figures say other
+    than its records do, would judge a rerun against numbers nothing measured."""
+    if e.samples != len(e.records):
+        raise ValueError(f"entry {e.label!r} says {e.samples} samples but holds {len(e.records)} records")
+    pooled_now = figures(e.records)
+    for name, stored in e.figures.items():
+        found = pooled_now.get(name)
+        if found is None or found.value != stored.value or found.seeds != stored.seeds:
+            raise ValueError(f"entry {e.label!r}: its {FIGURES[name]} {stored.value} is not what its records pool "
+                             f"to ({None if found is None else found.value}); it was cut or edited")
 
 
 def _finite(*values) -> bool:
@@ -289,6 +303,7 @@ def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[O
         changes = [_change(name, f, before, now) for name, f in expected.figures.items()]
         sampled = expected.run["temperature"] > 0
         fell = [c for c in changes if c.fell(margin, sampled)]
+        drafter = drafter_change(expected.records, current, sampled)
         if now.identical < now.checked:
             verdict = "lost losslessness"
         elif fell:
@@ -296,8 +311,35 @@ def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[O
             verdict = "; ".join(f"{FIGURES[c.figure]} fell beyond {beyond}the {margin:.0%} margin" for c in fell)
         else:
             verdict = "ok"
+        if drafter:
+            verdict = drafter if verdict == "ok" else f"{verdict}; {drafter}"
         outcomes.append(Outcome(expected, changes, f"{now.identical}/{now.checked}" if now.checked else "—", verdict))
     return outcomes
+
+
+def drafter_change(before: list[dict], now: list[dict], sampled: bool) -> str | None:
+    """What changed in the drafter, said apart from the figures: its weights (the records' fingerprints) and, at T=0,
+    where every proposal is deterministic, what it proposed (each prompt's digest of every round's drafts, accepted
+    or not). None when neither changed or the baseline does not hold them (records from before they were kept)."""
+    said = []
+    weights = lambda rows: {(r.get("stats") or {}).get("drafter") for r in rows} - {None}  # noqa: E731
+    old, new = weights(before), weights(now)
+    if old and new and old != new:
+        said.append(f"drafter weights changed ({', '.join(sorted(w[:8] for w in old))} -> "
+                    f"{', '.join(sorted(w[:8] for w in new))})")
+    if not sampled:
+        digests = {_prompt(r): (r.get("drafts") or {}).get("digest") for r in before}
+        compared = [(digests[_prompt(r)], (r.get("drafts") or {}).get("digest")) for r in now if _prompt(r) in digests]
+        compared = [(a, b) for a, b in compared if a and b]
+        moved = sum(a != b for a, b in compared)
+        if moved:
+            said.append(f"proposed drafts changed on {moved} of {len(compared)} prompts"
+                        + ("" if said else " with the weights unchanged (the drafting code changed)"))
+    return "; ".join(said) or None
+
+
+def _prompt(row: dict) -> tuple:
+    return row["dataset"], str(row["question_id"]), row.get("turn", 1)
 
 
 def _change(name: str, baseline: Figure, before: Summary, now: Summary) -> Change:

@@ -159,8 +159,9 @@ def choose(choice: str) -> None:
     must build) or torch (torch's kernels everywhere). Made before the first model loads."""
     if choice not in CHOICES:
         raise HarnessError(f"--kernels must be one of {', '.join(CHOICES)}, got {choice!r}")
-    os.environ[CHOICE_VARIABLE] = choice
-    rows_kernel_problem.cache_clear()
+    if chosen() != choice:
+        os.environ[CHOICE_VARIABLE] = choice
+        rows_kernel_problem.cache_clear()
     if choice == "rows" and (why := rows_kernel_problem()) is not None:
         raise HarnessError(f"--kernels rows: {why}; use --kernels auto or torch")
 

@@ -72,6 +72,7 @@ class Record:
     conditions: dict = field(default_factory=dict)  # load, cores, threads, processor, Linear kernels
     turn: int = 1  # which user turn of the question this decoded (1: the first)
     turns: str = "first"  # the protocol: the first user turn only, or every turn as a conversation ("all")
+    drafts: dict = field(default_factory=dict)  # digest of every round's proposed drafts, and the rounds counted
 
 
 SampleKey = tuple[str, str, str, int]

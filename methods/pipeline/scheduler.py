@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.runtime.target import TargetRuntime
+from methods import drafts as drafts_log
 from methods.base import Generation, Timer
 from methods.pipeline.drafter import Drafter
 from methods.pipeline.executor import LocalExecutor, StageExecutor
@@ -188,6 +189,7 @@ class PipelineEngine:
 
     def _verify(self, finished: Token, candidates: Level, sampler: Sampler) -> tuple[Token | None, int]:
         """The finished token's target distribution tests the drafts after it: (accepted draft or None, token)."""
+        drafts_log.note([t.token for t in candidates], [-1] * len(candidates))  # siblings after the finished one
         logits = self.executor.verification_logits(finished)
         if sampler.greedy:
             best = int(torch.argmax(logits))
