@@ -47,8 +47,10 @@ class PackedLinear(torch.nn.Module):
     bias stay the same Parameters (tied weights stay tied; readers of .weight see the values). The copy is made
     again whenever the weight it came from is not the one the module holds now, unchanged: another tensor
     (`module.weight = ...`, `load_state_dict(assign=True)`), other storage (`.data = ...`) or a moved version
-    counter (any in-place write: an optimizer step, `copy_`, a write under inference mode). Anything that needs
-    gradients through it takes the plain path: neither kernel has a backward."""
+    counter (any in-place write: an optimizer step, `copy_`, a write under inference mode). The one write no check
+    sees is one torch itself leaves untracked, in place through `.data` (`w.data.mul_(2)`: autograd misses it too);
+    write through the Parameter instead. Anything that needs gradients through it takes the plain path: neither
+    kernel has a backward."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
