@@ -296,14 +296,15 @@ def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_tri
 
     torch.manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (6,))
-    features = {layer: torch.randn(1, 6, model.config.hidden_size) for layer in (1, 4, 5)}
+    assert head.config.feature_layers == (2, 5, 6)  # the outputs of layers 1, 4 and 5 (0-based): SGLang's reading
+    features = {layer: torch.randn(1, 6, model.config.hidden_size) for layer in (2, 5, 6)}
     positions = torch.arange(6)
     with torch.inference_mode():
         out = head.rows(head.embed(ids[None]), head.fused(features), positions,
                         torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None], ConcatCache())
         ours = head.full_vocab(head.head_logits(out))[0]
         theirs = _eagle3_reference(model, weights, head.embed(ids[None])[0],
-                                   torch.cat([features[1], features[4], features[5]], dim=-1)[0])
+                                   torch.cat([features[2], features[5], features[6]], dim=-1)[0])
     finite = torch.isfinite(theirs)
     assert torch.equal(torch.isfinite(ours), finite)
     assert torch.allclose(ours[finite], theirs[finite], atol=1e-4, rtol=1e-4)
@@ -323,6 +324,24 @@ def test_imported_eagle3_head_equals_the_format_decodes_losslessly_and_round_tri
     assert all(torch.equal(round_trip[k].to(weights[k].dtype), weights[k]) for k in weights)
 
 
+def test_stated_eagle3_layer_ids_name_what_sglang_captures_both_ways():
+    """SGLang's rule (`set_eagle3_layers_to_capture`): an id i is kept as i + 1 and the hidden state is captured
+    before that layer runs, i.e. the output of 0-based layer i, HF's hidden_states[i + 1]. Fails on a16459a, which
+    read ids [1, 14, 26] as h[1], h[14], h[26], one layer early, and wrote them back so."""
+    from methods.eagle3.interop import captured_state, layer_id
+
+    model, target = _target("llama")
+    ids = torch.arange(3, 15)
+    with torch.inference_mode():
+        hf = model(ids[None], output_hidden_states=True).hidden_states  # [i]: the input of 0-based layer i
+        target.reset()
+        _, captured = target.forward(ids, 0, tuple(captured_state(i) for i in (0, 2, 4)))
+    for i in (0, 2, 4):
+        sglang = hf[i + 1]  # captured before layer i + 1 runs
+        assert torch.allclose(captured[captured_state(i)], sglang, atol=1e-5)
+        assert layer_id(captured_state(i)) == i
+
+
 def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
     from methods.eagle3.interop import import_eagle3
 
@@ -336,7 +355,7 @@ def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
                             (dict(draft_vocab_size=5), "states a draft vocabulary of 5"),
                             (dict(hidden_size=32), "hidden size of 32"),
                             (dict(rope_theta=1.0), "rope theta 1.0"),
-                            (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]), "reads hidden states")):
+                            (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]), r"reads the outputs of layers \[1, 2, 40\]")):
         (tmp_path / "head" / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(HarnessError, match=message):
             import_eagle3(tmp_path / "head", target)

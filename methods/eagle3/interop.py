@@ -96,15 +96,31 @@ def eagle3_config(path: Path, config: dict, target: TargetRuntime, ttt: int):
     if theirs and ours and float(theirs) != float(ours):
         raise HarnessError(f"{path} uses rope theta {theirs}, the target {ours}; the head shares the target's rotary "
                            f"embedding, so pass a head made for this target")
-    features = tuple(config.get("eagle_aux_hidden_state_layer_ids") or default_feature_layers(layers))
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    features = tuple(captured_state(i) for i in ids) if ids else default_feature_layers(layers)
     if len(features) != 3 or not all(0 <= f <= layers for f in features):
-        raise HarnessError(f"{path} reads hidden states {list(features)}; the target has {layers} layers")
+        raise HarnessError(f"{path} reads the outputs of layers {ids} (hidden states {list(features)}); the target "
+                           f"has {layers} layers")
     shape = {k: config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                                     "rms_norm_eps") if k in config}
     draft = config.get("draft_vocab_size")
     return EagleConfig(ttt=ttt, num_layers=layers, feature_layers=features, layout="eagle3", shape=shape,
                        target=target.identity.to_dict() if target.identity else {},
                        draft_vocab_size=None if draft in (None, vocab) else int(draft))
+
+
+def captured_state(layer_id: int) -> int:
+    """The hidden state (h[0] the embeddings, h[k] layer k's output) that an `eagle_aux_hidden_state_layer_ids`
+    entry names. SGLang and SpecForge capture the output of the layer with that 0-based index, which is the input of
+    the next one (SGLang's `set_eagle3_layers_to_capture` keeps `id + 1` and captures before that layer runs): id i
+    is h[i + 1]. Heads that state no ids get the default (2, L/2, L-3), taken there as the inputs of those layers,
+    h[2], h[L/2], h[L-3]."""
+    return layer_id + 1
+
+
+def layer_id(state: int) -> int:
+    """The `eagle_aux_hidden_state_layer_ids` entry that names hidden state h[state] (captured_state's inverse)."""
+    return state - 1
 
 
 def import_eagle3(folder: Path, target: TargetRuntime, ttt: int = 7, force: bool = False) -> Path:
@@ -209,7 +225,7 @@ def export_eagle3(checkpoint: Path, out: Path, text_config, replace: bool = Fals
               "num_hidden_layers": 1, **shape, "rope_theta": _rope_theta(text_config),
               "max_position_embeddings": getattr(text_config, "max_position_embeddings", None),
               "vocab_size": vocab, "draft_vocab_size": rows, "hidden_act": "silu", "tie_word_embeddings": False,
-              "eagle_aux_hidden_state_layer_ids": list(head["feature_layers"]),
+              "eagle_aux_hidden_state_layer_ids": [layer_id(f) for f in head["feature_layers"]],
               "spd_bench": {"target": saved.get("target", {}), "ttt": head["ttt"]}}
     with Outputs(replace).staged(out) as staging:  # both files appear or neither
         (staging / EAGLE3_FILES[0]).write_text(json.dumps(config, indent=2))
