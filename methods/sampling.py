@@ -41,6 +41,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).clamp_max(cdf.shape[-1] - 1)[..., 0]
 
 
+def _device(generator: torch.Generator | None) -> torch.device | None:
+    return None if generator is None else generator.device
+
+
 class Sampler:
     """Turns target logits into the distribution p that every verifier must reproduce, and draws from it."""
 
@@ -73,6 +77,14 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor) -> int:
         return int(draw(probs, self.generator))
+
+    def uniform(self) -> float:
+        """One U(0, 1) draw from the generator, made on its device (a CUDA generator draws only CUDA tensors)."""
+        return float(torch.rand((), generator=self.generator, device=_device(self.generator)))
+
+    def seed(self) -> int:
+        """A seed drawn from the generator, for a sampler elsewhere (a drafter rank) to repeat a seeded run."""
+        return int(torch.randint(2**62, (1,), generator=self.generator, device=_device(self.generator)))
 
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token from target logits [V] as a [1] tensor on their device (nothing read back): argmax at T=0, else

@@ -58,4 +58,4 @@ class Teacher:
         """One verification outcome in the replay (T=0: deterministic)."""
         if self.sampler.greedy:
             return probability > 0.5
-        return float(torch.rand((), generator=self.sampler.generator)) < probability
+        return self.sampler.uniform() < probability

@@ -210,8 +210,8 @@ def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: tor
     for arch in ("qwen3_5", "qwen3"):
         model = build_model(arch, shape, device, dtype)
         vocab = model.config.vocab_size
-        batch = [torch.randint(1, vocab, (int(length),), generator=generator).tolist()
-                 for length in torch.randint(1, 40, (prompts,), generator=generator)]
+        batch = [torch.randint(1, vocab, (int(length),), generator=generator, device="cpu").tolist()
+                 for length in torch.randint(1, 40, (prompts,), generator=generator, device="cpu")]
         name = f"{arch} ({'random, real shape' if shape == 'real' else 'tiny'})"
         checks += check_methods(name, model, batch, new_tokens)
         checks.append(time_against_hf(name, model, batch, new_tokens))

@@ -48,11 +48,11 @@ def bench_stages(target: TargetRuntime, model_name: str, n: int, widths: list[in
     Each call reads the prefill and writes only its own slots, so the turns do not disturb one another."""
     results = []
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=gen)
+    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=gen, device=gen.device)
     with torch.inference_mode():
         target.reset()
         target.forward(prompt.to(target.device), 0)
-        hidden = {width: target.embed(torch.randint(0, target.config.vocab_size, (width,), generator=gen))
+        hidden = {width: target.embed(torch.randint(0, target.config.vocab_size, (width,), generator=gen, device=gen.device))
                   for width in widths}
         seconds: dict[tuple[int, int], list[float]] = {}
         for stage, (lo, hi) in enumerate(stage_bounds(target.num_layers, n)):

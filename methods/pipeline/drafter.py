@@ -55,7 +55,7 @@ def oracle_drafter(reference: dict[int, int], hit_rate: float) -> type[Drafter]:
             out = super().logits(finished, levels).clone()
             for i, leaf in enumerate(levels[-1] if levels else finished[-1:]):
                 token = reference.get(leaf.position + 1)
-                if token is not None and float(torch.rand((), generator=rng)) < hit_rate:
+                if token is not None and float(torch.rand((), generator=rng, device=rng.device)) < hit_rate:
                     out[i] = -1e4
                     out[i, token] = 1e4
             return out

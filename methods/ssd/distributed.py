@@ -83,7 +83,7 @@ class RemoteDrafter:
     def start(self, prompt_ids: list[int], first: int, captured: dict, sampler: Sampler) -> None:
         """A generation: the prompt, its first token and the head's features over the prompt; the drafter's own
         sampler is seeded from the driver's, so a seeded run repeats."""
-        seed = 0 if sampler.greedy else int(torch.randint(2**62, (1,), generator=sampler.generator))
+        seed = 0 if sampler.greedy else sampler.seed()
         config = sampler.config
         self.channel.control(START, len(prompt_ids), first, seed)
         self._send(torch.tensor([config.temperature, config.top_k, config.top_p], dtype=torch.float64))

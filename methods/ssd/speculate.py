@@ -161,7 +161,7 @@ class OracleSpeculation(Speculation):
         logits = super().logits(states, positions).clone()
         for row, position in enumerate(positions):
             right = self.reference.get(position)
-            if right is not None and float(torch.rand((), generator=self.rng)) < self.hit_rate:
+            if right is not None and float(torch.rand((), generator=self.rng, device=self.rng.device)) < self.hit_rate:
                 logits[row] = -10.0
                 logits[row, right] = 10.0
         return logits
