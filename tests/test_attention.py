@@ -91,7 +91,7 @@ def test_a_bf16_runtime_verifies_rows_exactly_as_it_steps():
 def test_every_method_decodes_greedy_ars_tokens_in_bf16():
     """No tie allowed: a bf16 tiny model's logits tie often, and the kernels leave none to chance."""
     prompts = [list(range(10, 30)), [3, 4, 5, 6] * 5]
-    checks = check_methods("tiny llama, bf16", tiny_model("llama", dtype=torch.bfloat16), prompts, 16)
+    checks = list(check_methods("tiny llama, bf16", tiny_model("llama", dtype=torch.bfloat16), prompts, 16))
     assert len(checks) > 5
     assert all(c.identical == c.samples for c in checks), [(c.method, c.identical, c.ties) for c in checks]
 

@@ -179,7 +179,7 @@ def test_the_self_check_runs_every_method_through_the_compiled_step():
     """`make gpu-check`'s compiled pass (`selfcheck --compile on`), here on a CPU's dynamic step."""
     from harness.bench.selfcheck import check_methods
 
-    checks = check_methods("tiny llama", MODEL, PROMPTS, 8, "on")
+    checks = list(check_methods("tiny llama", MODEL, PROMPTS, 8, "on"))
     assert {c.model for c in checks} == {"tiny llama, compiled"} and len(checks) > 5
     assert all(c.ok for c in checks), [(c.method, c.identical) for c in checks if not c.ok]
     assert checks[0].note.startswith("dynamic shapes: ")

@@ -26,3 +26,42 @@ def test_selfcheck_on_a_missing_gpu_is_one_line(tmp_path):
     result = CliRunner().invoke(main, ["selfcheck", "--device", "cuda", "--out", str(tmp_path / "s.jsonl")])
     assert result.exit_code == 2 and "CUDA is not available" in result.output
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_a_failing_check_is_one_line_in_its_record_and_the_others_still_run_and_are_written(tmp_path, monkeypatch):
+    """Fails on a16459a: the self-check wrote its records only after every check returned, so `make gpu-check`'s
+    last step crashing (a bare "cuda" in torch.cuda.set_device) lost everything it had measured."""
+    from harness.bench import selfcheck
+
+    def broken(*args, **kwargs):
+        raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+
+    monkeypatch.setattr(selfcheck, "time_against_hf", broken)
+    monkeypatch.setattr(selfcheck, "check_distributed", broken)
+    out = tmp_path / "selfcheck.jsonl"
+    result = CliRunner().invoke(main, ["selfcheck", "--device", "cpu", "--shapes", "tiny", "--prompts", "1",
+                                       "--max-new-tokens", "4", "--out", str(out)])
+    assert result.exit_code == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    failed = [r for r in rows if not r["ok"]]
+    assert [(r["method"], r["error"]) for r in failed] == [
+        ("HF generate", "ValueError: Expected a torch.device with a specified index or an integer, but got:cuda"),
+        ("HF generate", "ValueError: Expected a torch.device with a specified index or an integer, but got:cuda"),
+        ("distributed", "ValueError: Expected a torch.device with a specified index or an integer, but got:cuda")]
+    assert sum(r["ok"] for r in rows) > 10  # every method of both models, before and after the failures
+    assert result.output.count("FAIL: ") == 3  # each printed as it finished
+
+
+def test_a_bare_cuda_device_is_indexed_where_it_is_parsed(monkeypatch):
+    """torch refuses an index-less CUDA device in set_device (fails on a16459a: `--device cuda` reached it bare)."""
+    import torch
+
+    from harness.runtime.devices import indexed
+    from harness.runtime.distributed import backend_for
+
+    assert indexed("cuda") == "cuda:0" and indexed("cuda:2") == "cuda:2" and indexed("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed("cuda") == "cuda:3"
+    assert torch.device(indexed("cuda")).index == 3
+    assert backend_for("cuda", ["cuda:3"]) == "gloo"  # one GPU for two ranks: NCCL refuses it

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from harness.runtime.errors import HarnessError
+from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.target import TargetRuntime
 
 TIE = 0.05  # logits: bf16 carries about 3 significant digits, random-init logits are O(1)
@@ -45,10 +46,11 @@ class Check:
     tokens_per_step: float
     tokens_s: float
     note: str = ""
+    error: str = ""  # why the check could not run (then it failed)
 
     @property
     def ok(self) -> bool:
-        return self.identical + self.ties == self.samples
+        return not self.error and self.identical + self.ties == self.samples
 
 
 def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: int = 0,
@@ -85,9 +87,10 @@ def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     return [case for cls in REGISTRY.values() for case in cls.selfcheck_cases(target)]
 
 
-def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int, compile: str = "off") -> list[Check]:
-    """Every method against the eager AR's tokens, on a runtime compiled as `compile` says (labelled so)."""
-    from harness.runtime.lossless import compare
+def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int, compile: str = "off"
+                  ) -> Iterator[Check]:
+    """Every method against the eager AR's tokens, on a runtime compiled as `compile` says (labelled so), each
+    method's check yielded as it finishes; a method that fails is one failed check and the others still run."""
     from methods.base import build_method
     from methods.sampling import Sampler, SamplingConfig
 
@@ -95,31 +98,44 @@ def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int, c
     eager = TargetRuntime(model, max_len=max_len)
     greedy = Sampler(SamplingConfig())
     eager_ar = build_method("autoregressive", eager, {}, set())
-    runs = [eager_ar.generate(p, new_tokens, greedy) for p in prompts]
-    references = [run.output_ids for run in runs]
+    with torch.inference_mode():
+        runs = [eager_ar.generate(p, new_tokens, greedy) for p in prompts]
     target = eager if compile == "off" else TargetRuntime(model, max_len=max_len, compile=compile)
     if compile != "off":
         name = f"{name}, compiled"
-    checks = []
     ar = eager_ar if compile == "off" else build_method("autoregressive", target, {}, set())
     for label, method in [("autoregressive", ar), *_methods(target)]:
-        identical = ties = tokens = steps = 0
-        seconds = 0.0
-        for prompt, reference, run in zip(prompts, references, runs):
-            with torch.inference_mode():  # the eager AR's row is the reference runs themselves
-                generation = run if method is eager_ar else \
-                    _with_oracle(method, prompt, reference).generate(prompt, new_tokens, greedy)
-                verdict = compare(target, prompt, generation.output_ids, reference)
-            identical += verdict["identical"]
-            ties += _tie(verdict)
-            tokens += len(generation.output_ids) - 1
-            steps += generation.steps
-            seconds += generation.timing.get("decode", 0.0)
-        checks.append(Check(name, label, len(prompts), identical, ties, round(tokens / max(steps, 1), 3),
-                            round(tokens / seconds, 1) if seconds else 0.0))
-    if compile != "off":
-        checks[0].note = _engine_note(target.engine()["compile"])
-    return checks
+        yield guarded(name, label, lambda: _check_method(name, label, method, eager_ar, target, prompts, runs,
+                                                         new_tokens))
+
+
+def _check_method(name, label, method, eager_ar, target, prompts, runs, new_tokens) -> Check:
+    from harness.runtime.lossless import compare
+    from methods.sampling import Sampler, SamplingConfig
+
+    identical = ties = tokens = steps = 0
+    seconds = 0.0
+    for prompt, run in zip(prompts, runs):
+        with torch.inference_mode():  # the eager AR's row is the reference runs themselves
+            generation = run if method is eager_ar else \
+                _with_oracle(method, prompt, run.output_ids).generate(prompt, new_tokens, Sampler(SamplingConfig()))
+            verdict = compare(target, prompt, generation.output_ids, run.output_ids)
+        identical += verdict["identical"]
+        ties += _tie(verdict)
+        tokens += len(generation.output_ids) - 1
+        steps += generation.steps
+        seconds += generation.timing.get("decode", 0.0)
+    note = _engine_note(target.engine()["compile"]) if label == "autoregressive" and target.compiled else ""
+    return Check(name, label, len(prompts), identical, ties, round(tokens / max(steps, 1), 3),
+                 round(tokens / seconds, 1) if seconds else 0.0, note)
+
+
+def guarded(model: str, what: str, run: Callable[[], Check]) -> Check:
+    """run(), or where it raises, a failed check that names the error in one line."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - a failed check is one line in its record; the others still run
+        return Check(model, what, 0, 0, 0, 0.0, 0.0, error=f"{type(exc).__name__}: {first_line(exc)}")
 
 
 def _engine_note(compiled: dict) -> str:
@@ -167,16 +183,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> list[Check]:
+def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int
+                      ) -> Iterator[Check]:
     """Each family that serves ranks, its ranks in processes of their own on `device` (a tiny model: every rank loads
     it from disk, and what else a rank loads is saved beside it)."""
-    from harness.runtime import distributed as launch
     from harness.runtime.models import load_model
     from methods.base import REGISTRY, build_method
     from methods.sampling import Sampler, SamplingConfig
 
     dtype_name = str(dtype).removeprefix("torch.")
-    checks = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = f"{scratch}/target"
         build_model("qwen3_5", "tiny", "cpu", dtype).save_pretrained(folder)
@@ -187,54 +202,81 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
             references = [ar.generate(p, new_tokens, Sampler(SamplingConfig())).output_ids for p in prompts]
         cases = [cls.selfcheck_distributed(target, Path(scratch)) for cls in REGISTRY.values()]
         for label, method, ranks in (case for case in cases if case is not None):
-            identical = 0
-            for prompt, reference in zip(prompts, references):  # a group per prompt: an oracle travels in the plan
-                with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
-                    oracle = _with_oracle(method, prompt, reference)
-                    executor = oracle.distribute(group, dtype_name)
-                    with torch.inference_mode():
-                        output = oracle.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids
-                    executor.close()
-                identical += output == reference
-            checks.append(Check("tiny qwen3_5", f"{label} distributed ({group.backend})", len(prompts), identical, 0,
-                                0.0, 0.0))
-    return checks
+            yield guarded("tiny qwen3_5", f"{label} distributed", lambda: _check_distributed_case(
+                label, method, ranks, folder, device, dtype_name, prompts, references, new_tokens))
+
+
+def _check_distributed_case(label, method, ranks: int, folder: str, device: str, dtype_name: str,
+                            prompts: list[list[int]], references: list[list[int]], new_tokens: int) -> Check:
+    from harness.runtime import distributed as launch
+    from methods.sampling import Sampler, SamplingConfig
+
+    identical = 0
+    for prompt, reference in zip(prompts, references):  # a group per prompt: an oracle travels in the plan
+        with launch.stage_group(folder, device, [device] * ranks, timeout_s=300) as group:
+            oracle = _with_oracle(method, prompt, reference)
+            executor = oracle.distribute(group, dtype_name)
+            with torch.inference_mode():
+                output = oracle.generate(prompt, new_tokens, Sampler(SamplingConfig())).output_ids
+            executor.close()
+        identical += output == reference
+    return Check("tiny qwen3_5", f"{label} distributed ({group.backend})", len(prompts), identical, 0, 0.0, 0.0)
 
 
 def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: torch.dtype, compile: str = "off"
-              ) -> list[Check]:
+              ) -> Iterator[Check]:
+    """Every check, each yielded as it finishes (so a caller writes its record at once and a later crash loses
+    nothing before it); a step that fails is one failed check, and the steps after it still run."""
     if shape not in SHAPES:
         raise HarnessError(f"--shapes must be one of {', '.join(SHAPES)}, got {shape!r}")
     generator = torch.Generator().manual_seed(0)
-    checks = []
     for arch in ("qwen3_5", "qwen3"):
-        model = build_model(arch, shape, device, dtype)
-        vocab = model.config.vocab_size
+        name = f"{arch} ({'random, real shape' if shape == 'real' else 'tiny'})"
+        built = guarded(name, "build", lambda: build_model(arch, shape, device, dtype))
+        if isinstance(built, Check):
+            yield built
+            continue
+        model, vocab = built, built.config.vocab_size
         batch = [torch.randint(1, vocab, (int(length),), generator=generator, device="cpu").tolist()
                  for length in torch.randint(1, 40, (prompts,), generator=generator, device="cpu")]
-        name = f"{arch} ({'random, real shape' if shape == 'real' else 'tiny'})"
-        checks += check_methods(name, model, batch, new_tokens)
-        checks.append(time_against_hf(name, model, batch, new_tokens))
+        yield from _steps(name, "methods", lambda: check_methods(name, model, batch, new_tokens))
+        yield guarded(name, "HF generate", lambda: time_against_hf(name, model, batch, new_tokens))
         if compile != "off":
-            checks += check_methods(name, model, batch, new_tokens, compile)
-        del model
+            yield from _steps(name, "methods, compiled", lambda: check_methods(name, model, batch, new_tokens,
+                                                                             compile))
+        del model, built
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    checks += check_distributed(device, dtype, [[1, 2, 3], [7]], new_tokens)
-    return checks
+    yield from _steps("tiny qwen3_5", "distributed", lambda: check_distributed(device, dtype, [[1, 2, 3], [7]],
+                                                                               new_tokens))
+
+
+def _steps(model: str, what: str, checks: Callable[[], Iterable[Check]]) -> Iterator[Check]:
+    """The checks a step yields, and a failed check where the step itself raises (its checks so far kept)."""
+    try:
+        yield from checks()
+    except Exception as exc:  # noqa: BLE001 - one line in the records; the steps after it still run
+        yield Check(model, what, 0, 0, 0, 0.0, 0.0, error=f"{type(exc).__name__}: {first_line(exc)}")
 
 
 def table(checks: list[Check]) -> str:
     from tabulate import tabulate
 
     rows = [(c.model, c.method, f"{c.identical}/{c.samples}", c.ties, c.tokens_per_step or "—", c.tokens_s or "—",
-             "ok" if c.ok else "FAIL", c.note) for c in checks]
+             "ok" if c.ok else "FAIL", c.error or c.note) for c in checks]
     return tabulate(rows, headers=["model", "method", "identical to AR", "near-ties", "tokens/step", "tok/s",
                                    "verdict", "note"], disable_numparse=True)
 
 
-def record(checks: list[Check], device: str) -> list[dict]:
+def line(check: Check) -> str:
+    """A check as one line, printed as it finishes."""
+    verdict = "ok" if check.ok else "FAIL"
+    return (f"{verdict}: {check.model}, {check.method}: {check.identical}/{check.samples} identical to AR"
+            f"{f', {check.ties} near-ties' if check.ties else ''}{f' ({check.error or check.note})' if check.error or check.note else ''}")
+
+
+def record(check: Check, device: str) -> dict:
     versions = {"torch": torch.__version__}
     if device.startswith("cuda"):
         versions["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return [{"kind": "selfcheck", "device": device, **asdict(c), "ok": c.ok, "versions": versions} for c in checks]
+    return {"kind": "selfcheck", "device": device, **asdict(check), "ok": check.ok, "versions": versions}

@@ -253,13 +253,14 @@ def selfcheck(device, shapes, dtype, prompts, max_new_tokens, compile_mode, out)
     from harness.runtime.models import pick_dtype, resolve_device, resolve_dtype
     from harness.runtime.results import ResultStore
 
-    resolve_device(device)  # a missing CUDA device fails here, in one line
+    device = str(resolve_device(device))  # indexed ("cuda" -> "cuda:0"); a missing CUDA device fails here
     _writable(out)
-    checks = check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(pick_dtype(dtype, device)),
-                             compile_mode)
-    store = ResultStore(out)
-    for row in check.record(checks, device):
-        store.append(row)
+    store, checks = ResultStore(out), []
+    for found in check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(pick_dtype(dtype, device)),
+                                 compile_mode):
+        store.append(check.record(found, device))  # each written as it finishes: a later crash loses none
+        click.echo(check.line(found))
+        checks.append(found)
     click.echo(check.table(checks))
     click.echo(f"records: {out}")
     if not all(c.ok for c in checks):

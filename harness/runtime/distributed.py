@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from harness.runtime.devices import indexed
 from harness.runtime.errors import HarnessError, first_line
 
 EXECUTORS = ("local", "distributed")
@@ -84,7 +85,7 @@ def stage_devices(devices: str | None, driver_device: str, n: int, why: str = ""
 def backend_for(driver_device: str, devices: list[str]) -> str:
     """NCCL when every rank has a GPU of its own; gloo otherwise (host memory in between), since NCCL refuses two
     ranks on one GPU."""
-    ranks = [d if d != "cuda" else "cuda:0" for d in (driver_device, *devices)]
+    ranks = [indexed(d) for d in (driver_device, *devices)]
     return "nccl" if all(d.startswith("cuda") for d in ranks) and len(set(ranks)) == len(ranks) else "gloo"
 
 
@@ -280,7 +281,7 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
             process.start()
             processes.append(process)
     if driver_device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(driver_device))
+        torch.cuda.set_device(torch.device(indexed(driver_device)))
     group = StageGroup(model=model, devices=devices, backend=backend, timeout_s=timeout_s,
                        join_timeout_s=join_timeout_s, store=dist.PrefixStore(PREFIX, store), processes=processes)
     finished = False
@@ -336,7 +337,7 @@ def _serve(rank: int, device: str, backend: str, connect: Callable[[], dist.Stor
         store = dist.PrefixStore(PREFIX, connect())
         store.set(f"started/{rank}", b"1")
         if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
+            torch.cuda.set_device(torch.device(indexed(device)))
         else:
             torch.set_num_threads(1)  # one core per served rank on a CPU host
         try:

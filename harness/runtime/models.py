@@ -16,6 +16,7 @@ import torch
 
 from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.files import replace_whole
+from harness.runtime.devices import indexed
 from harness.runtime.kernels import rows_kernel_problem
 from harness.runtime.paths import cache_dir
 
@@ -82,7 +83,7 @@ def resolve_device(device: str) -> torch.device:
         raise HarnessError(f"--device {device} requested but CUDA is not available; use --device cpu")
     if device != "cpu" and not device.startswith("cuda"):
         raise HarnessError(f"unknown device {device!r}; use --device cpu or --device cuda")
-    return torch.device(device)
+    return torch.device(indexed(device))
 
 
 def resolve_dtype(name: str) -> torch.dtype:
