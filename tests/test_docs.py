@@ -175,3 +175,44 @@ def test_every_run_in_the_readmes_methods_table_has_its_drafter_or_says_to_train
             assert shipped or "spd-bench train" in row.split(line)[0], row
             checked += 1
     assert checked >= 6
+
+
+def _torchrun_lines(text: str) -> list[list[str]]:
+    lines = []
+    for block in FENCE.findall(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip().startswith("torchrun "):
+                lines.append(shlex.split(line.split(" # ")[0]))
+    return lines
+
+
+def test_every_torchrun_example_starts_the_world_its_run_needs():
+    """Fails on a16459a: docs/distributed.md started 2 x 5 = 10 processes for a pipeline of 8 stages (a world of
+    9). The world is one driver and one rank per --devices entry (n stages, or SSD's drafter); each node's ranks
+    name distinct devices, or NCCL would see two ranks on one GPU."""
+    found = 0
+    for doc in DOCS:
+        for words in _torchrun_lines(doc.read_text()):
+            option = dict(zip(words, words[1:]))
+            world = int(option.get("--nnodes", 1)) * int(option["--nproc-per-node"])
+            devices = option["--devices"].split(",")
+            assert world == len(devices) + 1, (doc.name, words)
+            if option.get("--method") in ("spd", "ppsd"):
+                assert len(devices) == int(option["--n"]), (doc.name, words)
+            per_node = int(option["--nproc-per-node"])
+            ranks = [option.get("--device", "cuda:0"), *devices]
+            gpus = {(rank // per_node, device) for rank, device in enumerate(ranks)}
+            assert len(gpus) == len(ranks), (doc.name, words)
+            found += 1
+    assert found >= 1
+
+
+def test_two_nodes_cuda_0_are_two_gpus():
+    """Fails on a16459a: NCCL was chosen only when every rank's device string differed."""
+    from harness.runtime.distributed import backend_for
+
+    devices = "cuda:1,cuda:2,cuda:3,cuda:4,cuda:0,cuda:1,cuda:2,cuda:3,cuda:4".split(",")
+    assert backend_for("cuda:0", devices, per_node=5) == "nccl"
+    assert backend_for("cuda:0", devices) == "gloo"  # spawned here: two ranks on one GPU
+    assert backend_for("cuda:0", ["cuda:0"] * 4, per_node=1) == "nccl"  # one GPU per node
+    assert backend_for("cpu", ["cuda:1"], per_node=1) == "gloo"

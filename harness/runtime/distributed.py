@@ -82,11 +82,18 @@ def stage_devices(devices: str | None, driver_device: str, n: int, why: str = ""
     return listed
 
 
-def backend_for(driver_device: str, devices: list[str]) -> str:
+def backend_for(driver_device: str, devices: list[str], per_node: int | None = None) -> str:
     """NCCL when every rank has a GPU of its own; gloo otherwise (host memory in between), since NCCL refuses two
-    ranks on one GPU."""
+    ranks on one GPU. A GPU is a (node, device) pair: under torchrun rank r runs on node r // `per_node` (its
+    LOCAL_WORLD_SIZE), so two nodes' cuda:0 are two GPUs; ranks this process spawns share its node."""
     ranks = [indexed(d) for d in (driver_device, *devices)]
-    return "nccl" if all(d.startswith("cuda") for d in ranks) and len(set(ranks)) == len(ranks) else "gloo"
+    gpus = {(rank // per_node if per_node else 0, device) for rank, device in enumerate(ranks)}
+    return "nccl" if all(d.startswith("cuda") for d in ranks) and len(gpus) == len(ranks) else "gloo"
+
+
+def ranks_per_node() -> int | None:
+    """torchrun's ranks per node (LOCAL_WORLD_SIZE); None for ranks this process spawns, all on its node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]) if under_torchrun() else None
 
 
 class PlanUnpickler(pickle.Unpickler):
@@ -263,7 +270,7 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
     on exit, however it is left, the group is torn down and no spawned process outlives it."""
     check_deadline("--timeout", timeout_s)
     check_deadline("--join-timeout", join_timeout_s, SHORTEST_START_S)
-    world, backend = len(devices) + 1, backend_for(driver_device, devices)
+    world, backend = len(devices) + 1, backend_for(driver_device, devices, ranks_per_node())
     processes = []
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
@@ -383,5 +390,6 @@ def serve_from_env(devices: list[str], driver_device: str, timeout_s: float, joi
     check_deadline("--timeout", timeout_s)
     check_deadline("--join-timeout", join_timeout_s, SHORTEST_START_S)
     check_device(devices[rank - 1], "--devices", here=True)
-    _serve(rank, devices[rank - 1], backend_for(driver_device, devices), lambda: _torchrun_store(rank, join_timeout_s),
+    _serve(rank, devices[rank - 1], backend_for(driver_device, devices, ranks_per_node()),
+           lambda: _torchrun_store(rank, join_timeout_s),
            world, timeout_s, join_timeout_s)
