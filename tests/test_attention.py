@@ -134,3 +134,22 @@ def test_the_record_names_the_attention_that_served():
     windowed.config.sliding_window = 8
     assert TargetRuntime(windowed, max_len=32).engine()["attention"] == "sdpa"
     assert TargetRuntime(tiny_model("llama"), max_len=32).engine()["attention"] == "rows"
+
+
+def test_the_reference_key_names_the_machine_and_the_kernels_that_served(monkeypatch):
+    """Fails on a16459a: the key held no device model, torch or CUDA version nor linear-attention kernels, so a
+    cache shared by mixed nodes compared greedy tokens across them."""
+    from harness.runtime import target as runtime
+    from transformers.utils import import_utils
+
+    hybrid = TargetRuntime(tiny_model("qwen3_5"), max_len=32)
+    before = hybrid.numerics()
+    assert before == hybrid.numerics()
+    monkeypatch.setattr(runtime, "processor", lambda device_type: "NVIDIA H100 80GB HBM3")
+    assert hybrid.numerics() != before
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert hybrid.numerics() != before
+    monkeypatch.undo()
+    monkeypatch.setattr(import_utils, "is_flash_linear_attention_available", lambda: True)
+    assert hybrid.numerics() != before

@@ -30,9 +30,10 @@ def greedy_context(loaded: LoadedModel, stop_ids: set[int]) -> str:
 class ReferenceCache:
     """AR outputs keyed by (model weights, dtype, device, the runtime's numerics, greedy context) file and (prompt
     ids, max_new_tokens, variant) line: the greedy output (no variant) or a sampled one (the variant names the sampling
-    and the seed). The numerics (`TargetRuntime.numerics`: its kernels and compiled step) are in the key because each
-    kernel sums in its own order: a reference decoded on other kernels can fall the other way at a near-tie, and a
-    method would be marked DIVERGED for tokens its own runtime's AR would have chosen too."""
+    and the seed). The numerics (`TargetRuntime.numerics`: its kernels, compiled step and the machine that picks
+    them) are in the key because each kernel sums in its own order: a reference decoded on other kernels can fall
+    the other way at a near-tie, and a method would be marked DIVERGED for tokens its own runtime's AR would have
+    chosen too."""
 
     def __init__(self, loaded: LoadedModel, dtype: str, stop_ids: set[int], numerics: str, root: Path | None = None):
         root = root or cache_dir() / "references"

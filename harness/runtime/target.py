@@ -8,6 +8,7 @@ state.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 
 from harness.runtime.attention import use_rows_attention
 from harness.runtime.compiled import CompiledStep, alike_runs
+from harness.runtime.conditions import processor
 from harness.runtime.kernels import chosen, kernels_build, pack_linears
 from harness.runtime.state_cache import Positions, StateCache
 
@@ -110,7 +112,24 @@ class TargetRuntime:
         them)."""
         step = "eager" if self.compiled is None else "static" if self.compiled.static else "runs"
         build = f"-{kernels_build()}" if "rows" in (self.linears, self.attention) else ""
-        return f"{self.linears}-{self.attention}-{step}{build}"
+        return f"{self.linears}-{self.attention}-{step}{build}-{self._platform()}"
+
+    def _platform(self) -> str:
+        """The rest of what picks the kernels that run, by its hash: the processor or GPU model, torch's and CUDA's
+        versions, the sdpa backends CUDA may take, and for linear-attention layers whether flash-linear-attention
+        and causal-conv1d serve them (else torch's fallbacks), so a cache shared by mixed nodes never compares
+        across them."""
+        from transformers.utils import import_utils
+
+        parts = [processor(self.device.type), torch.__version__, str(torch.version.cuda)]
+        if self.device.type == "cuda":
+            backends = torch.backends.cuda
+            parts += [f"sdpa:{backends.flash_sdp_enabled()}{backends.mem_efficient_sdp_enabled()}"
+                      f"{backends.math_sdp_enabled()}{backends.cudnn_sdp_enabled()}"]
+        if self.has_linear_layers:
+            parts += [f"fla:{import_utils.is_flash_linear_attention_available()}",
+                      f"conv1d:{import_utils.is_causal_conv1d_available()}"]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
 
     @property
     def has_linear_layers(self) -> bool:
