@@ -251,3 +251,19 @@ def test_run_command_starts_its_ranks_and_torchrun_starts_the_same_run(tiny_dir,
                    for r in rows)
     assert [r["output_ids"] for r in records["spawned"]] == [r["output_ids"] for r in records["torchrun"]]
     assert records["spawned"][0]["config_key"] == records["torchrun"][0]["config_key"]
+
+
+def test_an_nccl_group_waits_on_the_host_within_the_run_deadline(monkeypatch):
+    """Fails on a16459a: NCCL's send/recv/wait returned at once, so a dead rank hung the run until the watchdog."""
+    import os
+
+    from harness.runtime import distributed
+
+    joined = {}
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda backend, **kwargs: joined.update(backend=backend, **kwargs))
+    distributed.join_group("gloo", None, 0, 2, 30.0)
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
+    distributed.join_group("nccl", None, 0, 2, 30.0)
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1" and joined["timeout"].total_seconds() == 30.0

@@ -355,7 +355,8 @@ def test_eagle3_heads_that_do_not_fit_are_one_line(tmp_path, monkeypatch):
                             (dict(draft_vocab_size=5), "states a draft vocabulary of 5"),
                             (dict(hidden_size=32), "hidden size of 32"),
                             (dict(rope_theta=1.0), "rope theta 1.0"),
-                            (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]), r"reads the outputs of layers \[1, 2, 40\]")):
+                            (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 40]),
+                             r"reads the outputs of layers \[1, 2, 40\]")):
         (tmp_path / "head" / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(HarnessError, match=message):
             import_eagle3(tmp_path / "head", target)

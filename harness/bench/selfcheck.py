@@ -244,7 +244,7 @@ def selfcheck(device: str, shape: str, prompts: int, new_tokens: int, dtype: tor
         if compile != "off":
             yield from _steps(name, "methods, compiled", lambda: check_methods(name, model, batch, new_tokens,
                                                                              compile))
-        del model, built
+        model = built = None  # freed before the next model is built
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     yield from _steps("tiny qwen3_5", "distributed", lambda: check_distributed(device, dtype, [[1, 2, 3], [7]],
@@ -270,9 +270,10 @@ def table(checks: list[Check]) -> str:
 
 def line(check: Check) -> str:
     """A check as one line, printed as it finishes."""
-    verdict = "ok" if check.ok else "FAIL"
-    return (f"{verdict}: {check.model}, {check.method}: {check.identical}/{check.samples} identical to AR"
-            f"{f', {check.ties} near-ties' if check.ties else ''}{f' ({check.error or check.note})' if check.error or check.note else ''}")
+    ties = f", {check.ties} near-ties" if check.ties else ""
+    said = f" ({check.error or check.note})" if check.error or check.note else ""
+    return f"{'ok' if check.ok else 'FAIL'}: {check.model}, {check.method}: {check.identical}/{check.samples} " \
+           f"identical to AR{ties}{said}"
 
 
 def record(check: Check, device: str) -> dict:

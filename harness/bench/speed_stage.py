@@ -52,7 +52,8 @@ def bench_stages(target: TargetRuntime, model_name: str, n: int, widths: list[in
     with torch.inference_mode():
         target.reset()
         target.forward(prompt.to(target.device), 0)
-        hidden = {width: target.embed(torch.randint(0, target.config.vocab_size, (width,), generator=gen, device=gen.device))
+        hidden = {width: target.embed(torch.randint(0, target.config.vocab_size, (width,), generator=gen,
+                                                    device=gen.device))
                   for width in widths}
         seconds: dict[tuple[int, int], list[float]] = {}
         for stage, (lo, hi) in enumerate(stage_bounds(target.num_layers, n)):

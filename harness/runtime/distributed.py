@@ -91,6 +91,16 @@ def backend_for(driver_device: str, devices: list[str], per_node: int | None = N
     return "nccl" if all(d.startswith("cuda") for d in ranks) and len(gpus) == len(ranks) else "gloo"
 
 
+def join_group(backend: str, store: dist.Store, rank: int, world: int, timeout_s: float) -> None:
+    """The process group, every wait in it bounded by the run deadline. NCCL's send, recv and wait only order the
+    stream and return at once, so a rank that died would hang its peers until the watchdog; blocking wait makes each
+    of them wait on the host for its work, up to the group's timeout, and raise, so a lost rank ends the run in one
+    line within --timeout as on gloo."""
+    if backend == "nccl":
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
 def ranks_per_node() -> int | None:
     """torchrun's ranks per node (LOCAL_WORLD_SIZE); None for ranks this process spawns, all on its node."""
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]) if under_torchrun() else None
@@ -206,8 +216,7 @@ class StageGroup:
             self.store.set("plan", pickle.dumps(plan))
             self._wait_until_ready()
             self.store.set("go", b"1")
-            dist.init_process_group(self.backend, store=dist.PrefixStore("group", self.store), rank=0,
-                                    world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s))
+            join_group(self.backend, dist.PrefixStore("group", self.store), 0, self.world_size, self.timeout_s)
         except (RuntimeError, dist.DistError) as exc:  # the store's host or a rank went away mid-start
             reason = self._rank_failure() or first_line(exc)
             raise HarnessError(f"distributed run: the ranks did not form a group ({reason}); nothing was "
@@ -356,8 +365,7 @@ def _serve(rank: int, device: str, backend: str, connect: Callable[[], dist.Stor
         server = plan.server(rank, device, wire)
         store.set(f"ready/{rank}", b"1")
         store.wait(["go"])
-        dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        join_group(backend, dist.PrefixStore("group", store), rank, world, timeout_s)
         server.serve()
     except Exception as exc:  # noqa: BLE001 - a rank reports any failure in one line and leaves
         line = first_line(exc)

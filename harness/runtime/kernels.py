@@ -217,9 +217,9 @@ def _flags() -> tuple[list[str], list[str]]:
 
 
 def build_folder() -> Path:
-    """The kernels' folder in the project's kernel cache (`kernel_cache_dir`), named by what decides the binary: the sources, torch's version,
-    Python's, the compiler and the flags. Another checkout or venv with the same inputs shares it; any other gets
-    its own, so none rebuilds over another's."""
+    """The kernels' folder in the kernel cache (`kernel_cache_dir`), named by what decides the binary: the sources,
+    torch's and Python's versions, the compiler and the flags. Another checkout or venv with the same inputs shares
+    it; any other gets its own, so none rebuilds over another's."""
     cflags, ldflags = _flags()
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
