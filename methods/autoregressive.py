@@ -25,7 +25,7 @@ class Autoregressive(Method):
         target.reset()
         timer = Timer(target.device)
         with timer("prefill"):
-            logits, _ = target.forward(torch.tensor(prompt_ids), start=0)
+            logits, _ = target.forward(torch.tensor(prompt_ids), start=0, last=True)
             next_id = sampler.next_token(logits[-1])
             token = int(next_id)
         output = [token]

@@ -136,7 +136,7 @@ def target_prefill(target: TargetRuntime, layers: tuple[int, ...], prompt_ids: l
     """The prompt's target forward: the first token and the hidden states at `layers` over the prompt."""
     target.reset()
     with timer("prefill"):
-        logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, layers)
+        logits, captured = target.forward(torch.tensor(prompt_ids, device=target.device), 0, layers, last=True)
         return sampler.pick(logits[-1]), captured
 
 

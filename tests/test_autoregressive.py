@@ -56,3 +56,16 @@ def test_sampling_is_reproducible_for_a_seed():
     config = SamplingConfig(temperature=1.0, top_p=0.9)
     runs = [method.generate([3, 4], 12, Sampler(config, torch.Generator().manual_seed(7))).output_ids for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("method, params", [("autoregressive", {}), ("lookup", {})])
+def test_a_prefill_takes_the_head_at_the_last_prompt_position_only(method, params):
+    """Fails on a16459a: the prefill built fp32 logits for every prompt position (2k tokens of a 248k vocabulary
+    are 2 GB) to read the last one."""
+    model = tiny_model("llama")
+    target = TargetRuntime(model, max_len=128)
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
+    prompt = list(range(3, 43))
+    build_method(method, target, params, set()).generate(prompt, 4, Sampler(SamplingConfig()))
+    assert rows and rows[0] == 1 and max(rows) < len(prompt)

@@ -79,7 +79,7 @@ def top2_margin(target: TargetRuntime, prompt_ids: list[int], reference: list[in
     """The target's top-1 minus top-2 logit where the reference chose token `index` (teacher-forced)."""
     target.reset()
     ids = torch.tensor(prompt_ids + reference[:index])
-    logits, _ = target.forward(ids, start=0)
+    logits, _ = target.forward(ids, start=0, last=True)
     top = torch.topk(logits[-1], 2).values
     return float(top[0] - top[1])
 

@@ -255,8 +255,10 @@ class TargetRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def forward(self, ids: torch.Tensor, start: int, capture: tuple[int, ...] = ()):
-        """All layers on contiguous tokens from position `start`; returns logits [T, V] and captured states."""
+    def forward(self, ids: torch.Tensor, start: int, capture: tuple[int, ...] = (), last: bool = False):
+        """All layers on contiguous tokens from position `start`; returns logits [T, V] (with `last`, the last
+        token's alone, [1, V]: a prompt's prefill needs no more, and 2k positions of a 248k vocabulary in fp32 are
+        2 GB) and captured states."""
         h, captured = self.run_layers(0, self.num_layers, self.embed(ids), range(start, start + len(ids)),
                                       capture=capture)
-        return self.logits(h), captured
+        return self.logits(h[:, -1:] if last else h), captured

@@ -122,7 +122,7 @@ class LocalExecutor(StageExecutor):
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         logits, captured = self.target.forward(torch.tensor(prompt_ids, device=self.device), start=0,
-                                               capture=self.capture)
+                                               capture=self.capture, last=True)
         return logits[-1], captured
 
     def advance(self, levels: list[Level]) -> None:
