@@ -267,3 +267,22 @@ def test_an_nccl_group_waits_on_the_host_within_the_run_deadline(monkeypatch):
     assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
     distributed.join_group("nccl", None, 0, 2, 30.0)
     assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1" and joined["timeout"].total_seconds() == 30.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_a_stage_rank_keeps_keys_values_and_states_for_its_own_layers_only(tmp_path, arch):
+    """Fails on a16459a: every stage rank allocated keys and values for every attention layer of the model."""
+    from methods.pipeline.distributed import StagePlan
+
+    folder = _saved(tmp_path, arch)
+    target, _ = _spd(folder, 3, 1)
+    bounds = [(0, 2), (2, 4), (4, 6)]
+    plan = StagePlan(model=folder, dtype="float32", bounds=bounds, capture=(), max_len=64, rewind_window=8,
+                     compile="off", weights_sha256=target.identity.weights_sha256)
+    stage = load_stage(plan, 1, "cpu")
+    with torch.inference_mode():
+        h = target.embed(torch.arange(3, 9))
+        stage.run_layers(2, 4, h, range(0, 6))
+    held = {i for i, kind in enumerate(target.layer_types) if kind == "full_attention" and 2 <= i < 4}
+    assert set(stage.cache.pair) == held and len(stage.cache.kv or ()) == 2 * len(held)
+    assert set(stage.cache.linear) == {i for i in range(2, 4) if target.layer_types[i] == "linear_attention"}

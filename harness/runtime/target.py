@@ -89,7 +89,10 @@ class TargetRuntime:
         # `compile`: a mode, or the step of the runtime this one drafts for (their graphs are shared)
         self.compiled = compile if isinstance(compile, CompiledStep) else \
             None if compile == "off" else CompiledStep(compile, self.device.type)
-        self.cache = StateCache(self.layer_types, max_len, rewind_window, self.device, self.compiled, model)
+        # A stage rank keeps only its stage's layers (the others are Identity): caches for the layers it holds.
+        self._cached_types = [kind if not isinstance(layer, torch.nn.Identity) else "dropped"
+                              for kind, layer in zip(self.layer_types, self.layers)]
+        self.cache = StateCache(self._cached_types, max_len, rewind_window, self.device, self.compiled, model)
         # Where each layer's run of alike attention layers ends: a dynamic compiled step takes such a run whole.
         self._runs = alike_runs(self.layers, self.layer_types) if self.compiled and not self.compiled.static else None
         self._costs: dict[int, list[float]] = {}
@@ -140,7 +143,7 @@ class TargetRuntime:
         return TargetRuntime(model, max_len=self.max_len, identity=identity, compile=self.compiled or "off")
 
     def reset(self) -> None:
-        self.cache = StateCache(self.layer_types, self.max_len, self.rewind_window, self.device, self.compiled,
+        self.cache = StateCache(self._cached_types, self.max_len, self.rewind_window, self.device, self.compiled,
                                 self.model)
 
     def truncate(self, length: int) -> None:
