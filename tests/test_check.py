@@ -80,6 +80,18 @@ def test_check_passes_a_rerun_then_catches_a_drop_a_lost_sample_and_a_missing_co
     _write(results, lost)
     code, output = _check("--baseline", baseline, "--results", results)
     assert code == 1 and "lost losslessness" in output
+    # a numerics flip (harness/runtime/verdict.py) fails beyond --flip-rate only; a logic divergence always
+    flip = {"checked": True, "identical": False, "first_divergence": 3, "verdict": "flip"}
+    flipped = _with(rows, "eagle3", lossless=lambda r: flip if r["question_id"] == 0 else r["lossless"])
+    _write(results, flipped)
+    code, output = _check("--baseline", baseline, "--results", results)
+    assert code == 1 and "2 numerics flips, beyond the 0% flip rate" in output and "(+2 flips)" in output
+    assert _check("--baseline", baseline, "--results", results, "--flip-rate", "0.2")[0] == 0
+    logic = _with(flipped, "eagle3", lossless=lambda r: {**flip, "verdict": "logic"} if r["question_id"] == 1
+                  else r["lossless"])
+    _write(results, logic)
+    code, output = _check("--baseline", baseline, "--results", results, "--flip-rate", "1")
+    assert code == 1 and "lost losslessness (2 logic divergences)" in output
 
     _write(results, rows[:10])
     code, output = _check("--baseline", baseline, "--results", results)

@@ -255,3 +255,29 @@ def test_a_pair_that_compiled_a_graph_decodes_again_so_no_timing_holds_compiling
     assert pairs[1][0] == pairs[1][1]  # the first sample's second pair compiled nothing: it is the one recorded
     assert [r["timing"] for r in records] == [{k: round(v, 6) for k, v in g.timing.items()} for g in clean]
     assert records[0]["output_ids"] == compiled[0].output_ids  # the rerun decodes the same tokens
+
+
+def test_cuda_graphs_are_recorded_as_what_ran_and_a_recording_is_warmed_out_of_a_timing():
+    """A CUDA-graphed step says `cuda_graphs` only once inductor recorded one (asking for them is not running
+    them), and `warm` decodes again after a call that recorded a graph, as after one that compiled. The recording is
+    announced as inductor announces it (dynamo's CUDAGRAPH_RECORDING callback), so this runs on a CPU."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    from harness.runtime.compiled import CompiledStep, warm
+
+    step = CompiledStep("on", "cuda")  # built only: nothing compiles or records until it is called
+    assert step.graphed and step.conditions()["cuda_graphs"] is False
+    assert step.conditions()["cuda_graph_recordings"] == 0
+
+    def records_a_graph():
+        with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"):
+            return "out"
+
+    calls = []
+
+    def decode():
+        calls.append(len(calls))
+        return step._compiled(records_a_graph if len(calls) == 1 else lambda: "out", None)
+
+    assert warm(step, decode) == "out" and len(calls) == 2  # the call that recorded is not the one returned
+    assert step.conditions()["cuda_graphs"] is True and step.conditions()["cuda_graph_recordings"] == 1

@@ -127,3 +127,29 @@ def test_ssd_with_the_shipped_eagle3_head_is_lossless_through_the_cli(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["lossless"]["identical"] and row["params"]["saguaro_x"] == 0.5
     assert row["stats"]["cache_hits"] == sum(row["stats"]["hits"]) and row["timing"]["modeled"] > 0
+
+
+def test_bf16_on_torchs_kernels_flips_near_ties_and_the_verdict_says_so(tmp_path, monkeypatch):
+    """On torch's bf16 path a k-row verify and a one-row step take different kernels (as cuBLAS and sdpa do on a
+    GPU), so near-ties fall apart: each divergence is classified a numerics flip, with its evidence, none as
+    logic; the report counts them apart."""
+    from harness.runtime import kernels
+
+    monkeypatch.setenv(kernels.CHOICE_VARIABLE, "auto")
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bf16.jsonl"
+    try:
+        result = CliRunner().invoke(main, ["run", "--method", "eagle3", "--m", "3", "--dtype", "bfloat16",
+                                           "--kernels", "torch", "--dataset", "mt_bench", "--limit", "3",
+                                           "--max-new-tokens", "64", "--out", str(out)])
+    finally:
+        kernels.choose("auto")  # this process's later tests run on the row kernels again
+    assert result.exit_code == 0, result.output
+    lossless = [json.loads(line)["lossless"] for line in out.read_text().splitlines()]
+    flips = [row for row in lossless if row["verdict"] == "flip"]
+    assert flips and all(row["verdict"] in ("identical", "flip") for row in lossless)
+    for row in flips:
+        evidence = row["evidence"]
+        assert evidence["gap"] <= 2 * evidence["difference"] and evidence["difference"] <= evidence["bound"]
+    report = CliRunner().invoke(main, ["report", "--results", str(out)])
+    assert "numerics flips" in report.output and "~" in report.output

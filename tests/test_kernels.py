@@ -74,6 +74,27 @@ def test_the_row_kernel_sums_in_fp32_and_rows_alone_equal_rows_together(rows, dt
     assert torch.equal(compiled, together)
 
 
+@pytest.mark.parametrize("choice", ["auto", "torch"])
+def test_a_bf16_runtimes_logits_are_the_heads_fp32_sums_never_rounded_to_bf16(choice, monkeypatch):
+    """bf16 logits would round near-ties into exact ties the fp32 sums do not have (the reference decodes from fp32
+    logits): the head's sums come out unrounded, on the row kernel and on torch's path, and the row kernel's
+    rounded output is those sums rounded once."""
+    monkeypatch.setenv(kernels.CHOICE_VARIABLE, choice)
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    target = TargetRuntime(model, max_len=32)
+    assert target.linears == ("rows" if choice == "auto" else "default")
+    with torch.inference_mode():
+        h = target.run_layers(0, target.num_layers, target.embed(torch.arange(5)), range(5))[0]
+        logits = target.logits(h)
+        normed = target.final_norm(h)
+        exact = F.linear(normed.double(), model.lm_head.weight.double())[0]
+        rounded = model.lm_head(normed)[0]
+    assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
+    assert torch.allclose(logits.double(), exact, rtol=1e-5, atol=1e-4)
+    if choice == "auto":
+        assert torch.equal(rounded, logits.bfloat16())
+
+
 @torch.inference_mode(False)
 def test_weights_the_row_kernel_does_not_take_keep_onednn_or_the_plain_path(monkeypatch):
     assert kernel_for(torch.zeros(12, 16)) == "onednn"  # not a multiple of eight outputs

@@ -28,7 +28,7 @@ from harness.runtime import kernels
 from harness.runtime.compiled import warm
 from harness.runtime.conditions import Measuring, busy_warning, fit_threads
 from harness.runtime.errors import HarnessError
-from harness.runtime.lossless import ReferenceCache, compare, not_checked
+from harness.runtime.lossless import ReferenceCache, Replay, compare, not_checked
 from harness.runtime.models import LoadedModel, ModelIdentity, load_model, stop_ids
 from harness.runtime.provenance import versions
 from harness.runtime.results import Record, ResultStore, SampleKey, config_key, row_key, sample_key
@@ -229,7 +229,7 @@ class Runner:
         else:
             generation, baseline, conditions = self._timed_pair(method, reference, prompt, seed, method_first,
                                                                 measuring)
-            lossless = self._check(prompt, generation.output_ids, reference, baseline)
+            lossless = self._check(prompt, generation.output_ids, method, reference, baseline)
         store.append(self._record(sample, turn, prompt, generation, lossless, baseline, conditions))
         return generation, lossless
 
@@ -295,14 +295,18 @@ class Runner:
         generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         return Sampler(self.sampling, generator)
 
-    def _check(self, prompt: list[int], output: list[int], reference_method: Method, baseline) -> dict:
+    def _check(self, prompt: list[int], output: list[int], method: Method, reference_method: Method, baseline
+               ) -> dict:
         if not self.sampling.greedy:
             return not_checked("sampled run: covered by the distribution tests")
         # AR's own output, or AR run beside the method, is the reference when none is cached yet.
         own = output if self.config.method == REFERENCE_METHOD else baseline and baseline.output_ids
         if own and self.references.get(prompt, self.config.max_new_tokens) is None:
             self.references.put(prompt, self.config.max_new_tokens, own)
-        return compare(self.target, prompt, output, self.greedy_reference(prompt, reference_method))
+        greedy = Sampler(SamplingConfig())
+        replay = Replay(lambda: method.generate(prompt, self.config.max_new_tokens, greedy).output_ids,
+                        lambda n: reference_method.generate(prompt, n, greedy).output_ids)
+        return compare(self.target, prompt, output, self.greedy_reference(prompt, reference_method), replay)
 
     def _record(self, sample: Sample, turn: int, prompt: list[int], generation, lossless: dict, baseline,
                 conditions: dict) -> Record:
@@ -348,9 +352,13 @@ class Runner:
 
 
 def _flag(lossless: dict) -> str:
+    """The bar's losslessness mark: ok, a numerics flip at token i (a near-tie the two forms' rounding decided
+    apart: harness/runtime/verdict.py) or a logic divergence there."""
     if not lossless["checked"]:
         return "n/a"
-    return "ok" if lossless["identical"] else f"DIVERGED@{lossless['first_divergence']}"
+    if lossless["identical"]:
+        return "ok"
+    return f"{'flip' if lossless.get('verdict') == 'flip' else 'DIVERGED'}@{lossless['first_divergence']}"
 
 
 def run(config: RunConfig) -> Path | None:

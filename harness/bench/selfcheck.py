@@ -6,7 +6,9 @@ prompts, checked token by token against the harness's greedy AR; the harness's A
 the distributed executor runs its ranks on the same device; with `--compile on` every method runs again through the
 compiled step (on CUDA: static shapes replayed as CUDA graphs), checked against the eager AR. Drafters are random too, so to reach the accept paths
 an oracle proposes AR's next token part of the time. Random weights leave many near-ties, where two correct kernels
-may pick different tokens: a divergence whose top-2 logit margin is below `TIE` is reported as a tie, not a failure.
+may pick different tokens: a method's divergence is classified by replaying both sides (harness/runtime/verdict.py),
+a numerics flip reported as such, not a failure; HF `generate`, whose logits are not replayed here, is allowed a
+divergence whose top-2 logit margin is below `TIE`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from harness.runtime.compiled import warm
 from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.target import TargetRuntime
 
@@ -42,7 +45,7 @@ class Check:
     method: str
     samples: int
     identical: int
-    ties: int
+    ties: int  # numerics flips (a method's), or near-ties below TIE (HF generate's)
     tokens_per_step: float
     tokens_s: float
     note: str = ""
@@ -110,18 +113,25 @@ def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int, c
 
 
 def _check_method(name, label, method, eager_ar, target, prompts, runs, new_tokens) -> Check:
-    from harness.runtime.lossless import compare
+    from harness.runtime.lossless import Replay, compare
     from methods.sampling import Sampler, SamplingConfig
 
     identical = ties = tokens = steps = 0
     seconds = 0.0
+    greedy = Sampler(SamplingConfig())
     for prompt, run in zip(prompts, runs):
+        def decode(prompt=prompt, run=run):
+            return run if method is eager_ar else \
+                _with_oracle(method, prompt, run.output_ids).generate(prompt, new_tokens, greedy)
+
+        replay = Replay(lambda: decode().output_ids, lambda n, prompt=prompt: eager_ar.generate(prompt, n, greedy)
+                        .output_ids, eager_ar.target)
         with torch.inference_mode():  # the eager AR's row is the reference runs themselves
-            generation = run if method is eager_ar else \
-                _with_oracle(method, prompt, run.output_ids).generate(prompt, new_tokens, Sampler(SamplingConfig()))
-            verdict = compare(target, prompt, generation.output_ids, run.output_ids)
+            # compiled: decoded again while a decode compiled or recorded a graph, so the timed one holds neither
+            generation = warm(target.compiled, decode)
+            verdict = compare(target, prompt, generation.output_ids, run.output_ids, replay)
         identical += verdict["identical"]
-        ties += _tie(verdict)
+        ties += verdict["verdict"] == "flip"
         tokens += len(generation.output_ids) - 1
         steps += generation.steps
         seconds += generation.timing.get("decode", 0.0)
@@ -141,7 +151,8 @@ def guarded(model: str, what: str, run: Callable[[], Check]) -> Check:
 def _engine_note(compiled: dict) -> str:
     if compiled["engine"] != "inductor":
         return f"ran eager: {compiled['why']}"
-    graphs = ", CUDA graphs" if compiled["cuda_graphs"] else ""
+    graphs = f", {compiled['cuda_graph_recordings']} CUDA graphs" if compiled["cuda_graphs"] else \
+        ", no CUDA graph recorded" if "cuda_graph_recordings" in compiled else ""
     return f"{compiled['shapes']} shapes{graphs}: {compiled['graphs']} graphs in {compiled['compile_s']} s"
 
 
@@ -264,13 +275,13 @@ def table(checks: list[Check]) -> str:
 
     rows = [(c.model, c.method, f"{c.identical}/{c.samples}", c.ties, c.tokens_per_step or "—", c.tokens_s or "—",
              "ok" if c.ok else "FAIL", c.error or c.note) for c in checks]
-    return tabulate(rows, headers=["model", "method", "identical to AR", "near-ties", "tokens/step", "tok/s",
+    return tabulate(rows, headers=["model", "method", "identical to AR", "flips / near-ties", "tokens/step", "tok/s",
                                    "verdict", "note"], disable_numparse=True)
 
 
 def line(check: Check) -> str:
     """A check as one line, printed as it finishes."""
-    ties = f", {check.ties} near-ties" if check.ties else ""
+    ties = f", {check.ties} {'near-ties' if check.method == 'HF generate' else 'numerics flips'}" if check.ties else ""
     said = f" ({check.error or check.note})" if check.error or check.note else ""
     return f"{'ok' if check.ok else 'FAIL'}: {check.model}, {check.method}: {check.identical}/{check.samples} " \
            f"identical to AR{ties}{said}"

@@ -120,6 +120,10 @@ def export(fmt, results, out, replace):
 @click.option("--margin", type=click.FloatRange(0, 1), default=0.05, show_default=True, callback=_finite,
               help="The relative drop a figure may show: at T=0 its change, at T>0 its whole paired 95% "
                    "interval.")
+@click.option("--flip-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True, callback=_finite,
+              help="The share of a configuration's checked samples that may end in a numerics flip (a near-tie its "
+                   "verify forward and AR's one-token step round apart; a logic divergence always fails): 0 for "
+                   "the committed baseline's row kernels, which keep every verify row equal to AR's step.")
 @click.option("--write", is_flag=True, help="Write the baseline from the results instead of checking (runs of one "
                                             "configuration at several seeds become one entry: use 3 or more at T>0).")
 @click.option("--rerun", is_flag=True, help="Run the baseline's configurations again (same prompts, sampling, lengths, "
@@ -136,7 +140,8 @@ def export(fmt, results, out, replace):
 @data_option
 @compile_option
 @kernels_option(expose=False)
-def check(baseline, results, margin, write, rerun, seed, model, device, data_dir, turns, compile_mode, replace):
+def check(baseline, results, margin, flip_rate, write, rerun, seed, model, device, data_dir, turns, compile_mode,
+          replace):
     """The regression gate against a committed baseline; exit 1 on a drop beyond noise or a lost output.
 
     \b
@@ -178,7 +183,7 @@ def check(baseline, results, margin, write, rerun, seed, model, device, data_dir
         return
     for warning in regression.seed_warnings(expected):
         click.echo(f"note: {warning}", err=True)
-    outcomes = regression.compare(expected, rows, margin)
+    outcomes = regression.compare(expected, rows, margin, flip_rate)
     click.echo(regression.table(outcomes), nl=False)
     failed = [o for o in outcomes if not o.ok]
     click.echo(f"{len(failed)} of {len(outcomes)} configurations failed" if failed else "all configurations pass")

@@ -287,11 +287,12 @@ def _config(spec: dict, model: str | None, device: str, data_dir: str | None, se
     return config, wanted
 
 
-def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[Outcome]:
+def compare(baseline: list[Expected], rows: list[dict], margin: float, flip_rate: float = 0.0) -> list[Outcome]:
     """Each baseline configuration against the records of the same label and identity (lengths, prompt set,
     sampling, dtype, executor; any seeds); a run that differs in any of them is not that configuration, so it counts
     as missing. The config key is not required to match: a retrained drafter changes it (it includes the weights'
-    hash)."""
+    hash). Losslessness fails on any logic divergence and on numerics flips in more than `flip_rate` of the checked
+    samples."""
     found = configurations(rows)
     outcomes = []
     for expected in baseline:
@@ -304,8 +305,10 @@ def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[O
         sampled = expected.run["temperature"] > 0
         fell = [c for c in changes if c.fell(margin, sampled)]
         drafter = drafter_change(expected.records, current, sampled)
-        if now.identical < now.checked:
-            verdict = "lost losslessness"
+        if now.logic:
+            verdict = f"lost losslessness ({now.logic} logic divergences)"
+        elif now.flips > flip_rate * now.checked:
+            verdict = f"{now.flips} numerics flips, beyond the {flip_rate:.0%} flip rate"
         elif fell:
             beyond = "its noise and " if sampled else ""
             verdict = "; ".join(f"{FIGURES[c.figure]} fell beyond {beyond}the {margin:.0%} margin" for c in fell)
@@ -313,8 +316,15 @@ def compare(baseline: list[Expected], rows: list[dict], margin: float) -> list[O
             verdict = "ok"
         if drafter:
             verdict = drafter if verdict == "ok" else f"{verdict}; {drafter}"
-        outcomes.append(Outcome(expected, changes, f"{now.identical}/{now.checked}" if now.checked else "—", verdict))
+        outcomes.append(Outcome(expected, changes, _lossless(now), verdict))
     return outcomes
+
+
+def _lossless(now: Summary) -> str:
+    """identical/checked, with the flips beside it where there are any."""
+    if not now.checked:
+        return "—"
+    return f"{now.identical}/{now.checked}" + (f" (+{now.flips} flips)" if now.flips else "")
 
 
 def drafter_change(before: list[dict], now: list[dict], sampled: bool) -> str | None:

@@ -73,7 +73,7 @@ def _redraws(sizes: dict[str, int], rng: np.random.Generator) -> list[np.ndarray
     return made
 
 
-SCALARS = ("samples", "new_tokens", "steps", "checked", "identical", "baseline_tokens", "baseline_decode_s")
+SCALARS = ("samples", "new_tokens", "steps", "checked", "identical", "flips", "baseline_tokens", "baseline_decode_s")
 
 
 def _leaves(s: Summary) -> dict[tuple, float]:

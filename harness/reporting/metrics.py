@@ -123,7 +123,8 @@ class Summary:
     steps: int = 0
     checked: int = 0
     identical: int = 0
-    divergences: list = field(default_factory=list)
+    flips: int = 0  # checked samples whose first divergence is a numerics flip (harness/runtime/verdict.py)
+    divergences: list = field(default_factory=list)  # (question id, first divergence, verdict) of each
     timing: dict = field(default_factory=lambda: defaultdict(float))
     stats: Stats | None = None  # the family's stats (Method.Stats), pooled over the samples
     lengths: list = field(default_factory=list)  # (new tokens, steps) of each sample
@@ -155,7 +156,9 @@ class Summary:
         self.identical += bool(row["lossless"].get("identical"))
         self.busy += bool((row.get("conditions") or {}).get("busy"))
         if row["lossless"].get("checked") and not row["lossless"].get("identical"):
-            self.divergences.append((row["question_id"], row["lossless"].get("first_divergence")))
+            verdict = row["lossless"].get("verdict") or "logic"  # a record from before the verdict: not a flip
+            self.flips += verdict == "flip"
+            self.divergences.append((row["question_id"], row["lossless"].get("first_divergence"), verdict))
         _add(self.timing, row["timing"])
         self.stats = stats if self.stats is None else self.stats.pooled(stats)
         accepts = row.get("position_accepts", [])
@@ -229,6 +232,11 @@ class Summary:
     def tokens_per_step(self) -> float | None:
         """Tokens committed per step; each sample's first token comes from the prefill, not from a step."""
         return (self.new_tokens - self.samples) / self.steps if self.steps else None
+
+    @property
+    def logic(self) -> int:
+        """Checked samples that left greedy AR for a reason other than a numerics flip."""
+        return self.checked - self.identical - self.flips
 
     @property
     def lossless_pct(self) -> float | None:

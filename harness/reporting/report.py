@@ -379,11 +379,16 @@ def family_tables(overall: list[Summary]) -> list[Table]:
 
 
 def lossless_table(overall: list[Summary]) -> list[Table]:
-    rows = [[_config(s), str(s.width), s.sampling, str(s.checked), str(s.identical),
-             ", ".join(f"q{q}@{i}" for q, i in s.divergences) or "—", s.engine or "—"]
+    rows = [[_config(s), str(s.width), s.sampling, str(s.checked), str(s.identical), str(s.flips), str(s.logic),
+             ", ".join(f"q{q}@{i}{'~' if verdict == 'flip' else ''}" for q, i, verdict in s.divergences) or "—",
+             s.engine or "—"]
             for s in overall if not s.simulated]
-    return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "first divergences", "engine"],
-                  rows)]
+    return [Table("Losslessness", ["config", "width", "T", "checked", "identical", "numerics flips",
+                                   "logic divergences", "first divergences", "engine"], rows,
+                  "numerics flip (~): at the first divergence the method took its own target logits' argmax, a "
+                  "near-tie within the difference between its verify forward's logits and AR's one-token step's, "
+                  "of the size they differ by on the sample's earlier positions (harness/runtime/verdict.py); "
+                  "any other divergence is a logic divergence")]
 
 
 def detail_table(summaries: list[Summary]) -> Table:

@@ -31,8 +31,10 @@ attending over the whole buffer costs more than the launches it saves there.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -167,7 +169,9 @@ class CompiledStep:
             torch.compile(_layer_step, dynamic=True, fullgraph=True)
         # A run of alike layers as one graph (the module doc); the static step keeps one graph per layer.
         self.ranges = None if self.static else torch.compile(_layers_step, fullgraph=True)
-        self.seconds, self.graphs, self.failed = 0.0, 0, None
+        self.seconds, self.graphs, self.recordings, self.failed = 0.0, 0, 0, None
+        if self.graphed:
+            _count_recordings()
         self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._packed: dict[int, tuple] = {}  # a layer's packed Linears, found once (`_refresh`)
 
@@ -210,16 +214,22 @@ class CompiledStep:
         """compiled(*args, **kwargs), counting the graphs it compiles and their seconds; eager(...) once failed."""
         if self.failed is not None:
             return eager(*args, **kwargs)
-        before, start = _graphs(), time.perf_counter()
+        before, recorded, start = _graphs(), _RECORDINGS["cuda"], time.perf_counter()
         try:
             out = compiled(*args, **kwargs)
         except Exception as exc:  # a graph that cannot be built fails before it runs: nothing was written
             self._fail(exc)
             return eager(*args, **kwargs)
-        if _graphs() > before:
+        if _graphs() > before or _RECORDINGS["cuda"] > recorded:
             self.seconds += time.perf_counter() - start
             self.graphs += _graphs() - before
+            self.recordings += _RECORDINGS["cuda"] - recorded
         return out
+
+    @property
+    def work(self) -> int:
+        """Graphs compiled plus CUDA graphs recorded so far: a call that moved it held one-off work."""
+        return self.graphs + self.recordings
 
     def _fail(self, exc: Exception) -> None:
         exc = getattr(exc, "inner_exception", None) or exc  # dynamo wraps the backend's error: name that one
@@ -230,23 +240,41 @@ class CompiledStep:
         print(f"warning: --compile auto: {why}; running eager", file=sys.stderr)
 
     def conditions(self) -> dict:
-        """What a record says about the engine: compiled or fallen back, graphs and compile seconds so far."""
+        """What a record says about the engine: compiled or fallen back, graphs and compile seconds so far, and
+        whether CUDA graphs ran: recorded (not only asked for), with the graphs inductor declined to record."""
         if self.failed is not None:
             return {"mode": self.mode, "engine": "eager", "why": self.failed}
+        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] if self.graphed else 0
         return {"mode": self.mode, "engine": "inductor", "shapes": "static" if self.static else "dynamic",
-                "unit": "layer" if self.static else "layer run",
-                "cuda_graphs": self.graphed, "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
+                "unit": "layer" if self.static else "layer run", "cuda_graphs": self.recordings > 0,
+                **({"cuda_graph_recordings": self.recordings, "cuda_graph_skips": skips} if self.graphed else {}),
+                "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
 
 
 def warm(compiled: CompiledStep | None, call):
-    """`call()`, called again while a call compiles a graph (a shape no warm-up reached: a verify of a new length),
-    so the last call, the one a caller times, holds no compiling. A call repeats its own shapes (a rerun draws from
-    the same seed), so the second compiles nothing."""
+    """`call()`, called again while a call compiles a graph or records a CUDA graph (a shape no warm-up reached: a
+    verify of a new length), so the last call, the one a caller times, holds neither. A call repeats its own shapes
+    (a rerun draws from the same seed), so the second compiles and records nothing."""
     while True:
-        graphs = compiled.graphs if compiled else 0
+        work = compiled.work if compiled else 0
         result = call()
-        if compiled is None or compiled.graphs == graphs:
+        if compiled is None or compiled.work == work:
             return result
+
+
+_RECORDINGS: Counter = Counter()  # CUDA graphs inductor recorded in this process (`_count_recordings`)
+
+
+@functools.cache  # one callback for the process
+def _count_recordings() -> None:
+    """Counts inductor's CUDA-graph recordings from here on (dynamo announces each to its start callbacks)."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    def count(args) -> None:
+        if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
+            _RECORDINGS["cuda"] += 1
+
+    callback_handler.register_start_callback(count)
 
 
 def _graphs() -> int:

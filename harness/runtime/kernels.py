@@ -105,8 +105,36 @@ class PackedLinear(torch.nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The Linear with fp32 outputs: the row kernel's own fp32 sums unrounded, else `float_linear`."""
+        if not torch.compiler.is_compiling():
+            self.refresh()
+        tracked = torch.is_grad_enabled() and self._tracked(x)
+        if self.kernel == "rows" and x.dtype == self.weight.dtype and not tracked:
+            return torch.ops.spd_bench.rows_linear(x, self.packed, self.bias, True)
+        return self(x).float() if self.weight.dtype == torch.float32 else _float_linear(x, self.weight, self.bias)
+
     def _tracked(self, x: torch.Tensor) -> bool:
         return any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))
+
+
+def float_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Linear's outputs in fp32, whatever its weights' dtype: an LM head's logits as the reference decodes from
+    them (bf16 logits round near-ties into exact ties the fp32 sums do not have). A CUDA matmul writes its fp32 sums
+    out as they are (no copy of the weight); torch's CPU path takes the weight in fp32 for the call."""
+    if isinstance(linear, PackedLinear):
+        return linear.float_forward(x)
+    if linear.weight.dtype == torch.float32:
+        return linear(x)
+    return _float_linear(x, linear.weight, linear.bias)
+
+
+def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.device.type == "cuda":
+        out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    else:
+        out = F.linear(x.float(), weight.float())
+    return out if bias is None else out + bias.float()
 
 
 def _stamp(weight: torch.Tensor) -> tuple:
@@ -266,9 +294,10 @@ def _build_and_load(folder: Path) -> None:
     print(f"built the row kernels in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
 
-def _rows_linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _rows_linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
+                       ) -> torch.Tensor:
     """The row kernel's output as a compiled graph sees it before running it."""
-    return x.new_empty((*x.shape[:-1], panels.shape[0] * 8))
+    return x.new_empty((*x.shape[:-1], panels.shape[0] * 8), dtype=torch.float32 if float_out else x.dtype)
 
 
 def _rows_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

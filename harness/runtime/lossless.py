@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,6 +14,7 @@ from harness.runtime.models import LoadedModel
 from harness.runtime.paths import cache_dir
 from harness.runtime.results import append_line
 from harness.runtime.target import TargetRuntime
+from harness.runtime.verdict import classify
 
 # Config fields that cannot change a greedy output: where the folder is and which library wrote it (the dtype is
 # keyed on its own).
@@ -76,7 +79,8 @@ def first_divergence(output: list[int], reference: list[int]) -> int | None:
 
 
 def top2_margin(target: TargetRuntime, prompt_ids: list[int], reference: list[int], index: int) -> float:
-    """The target's top-1 minus top-2 logit where the reference chose token `index` (teacher-forced)."""
+    """The target's top-1 minus top-2 logit where the reference chose token `index` (teacher-forced, one prefill):
+    for an output whose makers' logits cannot be replayed here (HF `generate`)."""
     target.reset()
     ids = torch.tensor(prompt_ids + reference[:index])
     logits, _ = target.forward(ids, start=0, last=True)
@@ -84,14 +88,33 @@ def top2_margin(target: TargetRuntime, prompt_ids: list[int], reference: list[in
     return float(top[0] - top[1])
 
 
-def compare(target: TargetRuntime, prompt_ids: list[int], output: list[int], reference: list[int]) -> dict:
-    """The record's `lossless` field for a T=0 run."""
+@dataclass
+class Replay:
+    """How to decode a sample's two sides again at T=0, for the verdict (harness/runtime/verdict.py): the method
+    (its whole output, on the runtime compared) and greedy AR (n tokens, on `ar_target`: default the same)."""
+
+    method: Callable[[], list[int]]
+    ar: Callable[[int], list[int]]
+    ar_target: TargetRuntime | None = None
+
+
+def compare(target: TargetRuntime, prompt_ids: list[int], output: list[int], reference: list[int],
+            replay: Replay | None = None) -> dict:
+    """The record's `lossless` field for a T=0 run: identical or not, where it first differs and, with `replay`, the
+    verdict ("identical", "flip": a near-tie the two forms' rounding decided apart, "logic": anything else) with its
+    evidence and AR's own top-2 gap there as the margin."""
     index = first_divergence(output, reference)
     if index is None:
-        return {"checked": True, "identical": True, "first_divergence": None, "margin": None}
-    margin = top2_margin(target, prompt_ids, reference, index) if index < len(reference) else None
-    return {"checked": True, "identical": False, "first_divergence": index, "margin": margin}
+        return {"checked": True, "identical": True, "first_divergence": None, "margin": None, "verdict": "identical"}
+    row = {"checked": True, "identical": False, "first_divergence": index, "margin": None, "verdict": "logic"}
+    if index >= min(len(output), len(reference)):  # one stopped where the other went on: no near-tie decides that
+        return {**row, "evidence": {"reason": "one output stops where the other goes on"}}
+    if replay is None:
+        return {**row, "verdict": None, "margin": top2_margin(target, prompt_ids, reference, index)}
+    verdict, evidence = classify(target, replay.method, replay.ar, output, reference, index, replay.ar_target)
+    return {**row, "verdict": verdict, "margin": evidence.gap, "evidence": evidence.to_dict()}
 
 
 def not_checked(reason: str) -> dict:
-    return {"checked": False, "identical": None, "first_divergence": None, "margin": None, "reason": reason}
+    return {"checked": False, "identical": None, "first_divergence": None, "margin": None, "verdict": None,
+            "reason": reason}

@@ -165,8 +165,10 @@ void rows_times_panels(const float* x, const W* panels, const float* bias, float
 
 // x [..., K] of the panels' dtype (fp32 or bf16), panels [N/8, K, 8] (pack_rows; contiguous, K > 0), bias [N] of
 // that dtype or none, all on the CPU: every size the tiles read by is checked here, so a caller's mistake is one
-// error, never a read past a buffer.
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
+// error, never a read past a buffer. The sums are fp32; `float_out` returns them so (an LM head's logits: rounding
+// them to bf16 would make ties the fp32 sums do not have), else in the panels' dtype.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                       bool float_out) {
   const auto dtype = panels.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
               "rows_linear runs on CPU tensors only");
@@ -191,8 +193,10 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, const c10:
     rows_times_panels(rows.data_ptr<float>(), panels.data_ptr<float>(), bp, out.data_ptr<float>(), R, K, N);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
-  return out.to(dtype).view(shape);
+  return (float_out ? out : out.to(dtype)).view(shape);
 }
 
-TORCH_LIBRARY(spd_bench, m) { m.def("rows_linear(Tensor x, Tensor panels, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY(spd_bench, m) {
+  m.def("rows_linear(Tensor x, Tensor panels, Tensor? bias, bool float_out=False) -> Tensor");
+}
 TORCH_LIBRARY_IMPL(spd_bench, CPU, m) { m.impl("rows_linear", &rows_linear); }

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,7 @@ import torch
 from harness.runtime.attention import use_rows_attention
 from harness.runtime.compiled import CompiledStep, alike_runs
 from harness.runtime.conditions import processor
-from harness.runtime.kernels import chosen, kernels_build, pack_linears
+from harness.runtime.kernels import chosen, float_linear, kernels_build, pack_linears
 from harness.runtime.state_cache import Positions, StateCache
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
@@ -96,6 +98,7 @@ class TargetRuntime:
         # Where each layer's run of alike attention layers ends: a dynamic compiled step takes such a run whole.
         self._runs = alike_runs(self.layers, self.layer_types) if self.compiled and not self.compiled.static else None
         self._costs: dict[int, list[float]] = {}
+        self._watchers: list[Callable[[torch.Tensor], None]] = []  # see `watching`
 
     def engine(self) -> dict:
         """What a record says about how the target ran: the --kernels choice, the kernels its Linears and attention
@@ -157,9 +160,22 @@ class TargetRuntime:
         return self.backbone.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on pre-norm hidden states [1, T, D] -> float32 logits [T, V]."""
-        logits = self.model.lm_head(self.final_norm(h))[0]
-        return logits if logits.dtype == torch.float32 else logits.float()
+        """Final norm + LM head on pre-norm hidden states [1, T, D] -> float32 logits [T, V], the head's sums never
+        rounded to the model's dtype (`float_linear`)."""
+        logits = float_linear(self.model.lm_head, self.final_norm(h))[0]
+        for watcher in self._watchers:
+            watcher(logits)
+        return logits
+
+    @contextmanager
+    def watching(self, watcher: Callable[[torch.Tensor], None]) -> Iterator[None]:
+        """Every logits block this runtime computes while the block runs is passed to `watcher` (the losslessness
+        verdict's replay reads the rows a method decided from: harness/runtime/verdict.py)."""
+        self._watchers.append(watcher)
+        try:
+            yield
+        finally:
+            self._watchers.remove(watcher)
 
     def run_layers(
         self,
