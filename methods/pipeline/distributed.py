@@ -148,26 +148,15 @@ class DistributedExecutor(StageExecutor):
 
 # --- stage ranks ------------------------------------------------------------------------------------------------
 def load_stage(plan: StagePlan, stage: int, device: str) -> TargetRuntime:
-    """The target with only this stage's layers kept (loaded on the host, then the kept part moved to `device`)."""
+    """The target with only this stage's layers, read alone from its files (harness/runtime/partial.py)."""
     from transformers.utils import logging as hf_logging
 
-    from harness.runtime.models import load_model
+    from harness.runtime.partial import Part, load_part
 
     hf_logging.disable_progress_bar()  # n ranks loading at once would print n bars
-    loaded = load_model(plan.model, "cpu", plan.dtype, tokenizer=False)
-    if plan.weights_sha256 and loaded.identity.weights_sha256 != plan.weights_sha256:
-        raise HarnessError(f"model {plan.model} on this rank has weights {loaded.identity.weights_sha256[:12]}, "
-                           f"the driver's are {plan.weights_sha256[:12]}; give every machine the same files")
-    model, (lo, hi) = loaded.model, plan.bounds[stage]
-    layers = model.model.layers
-    for i in range(len(layers)):
-        if not lo <= i < hi:
-            layers[i] = torch.nn.Identity()  # keeps layer indices (and their cache slots) meaningful
-    model.model.embed_tokens = None
-    model.lm_head = None
-    model.to(device)
-    return TargetRuntime(model, max_len=plan.max_len, rewind_window=plan.rewind_window, identity=loaded.identity,
-                         compile=plan.compile)
+    loaded = load_part(plan.model, Part(*plan.bounds[stage]), device, plan.dtype, plan.weights_sha256)
+    return TargetRuntime(loaded.model, max_len=plan.max_len, rewind_window=plan.rewind_window,
+                         identity=loaded.identity, compile=plan.compile)
 
 
 class StageServer:

@@ -120,15 +120,13 @@ class DrafterServer:
     def __init__(self, plan: DrafterPlan, device: str, wire: torch.device):
         from transformers.utils import logging as hf_logging
 
-        from harness.runtime.models import load_model
+        from harness.runtime.partial import Part, load_part
 
         hf_logging.disable_progress_bar()
-        loaded = load_model(plan.model, device, plan.dtype, tokenizer=False)
-        if plan.weights_sha256 and loaded.identity.weights_sha256 != plan.weights_sha256:
-            raise HarnessError(f"model {plan.model} on the drafter rank has weights "
-                               f"{loaded.identity.weights_sha256[:12]}, the driver's are {plan.weights_sha256[:12]}; "
-                               f"give every machine the same files")
-        # A head reads only the target's embedding, final norm and rotary embedding (its frozen parts).
+        # A head reads only the target's embedding, final norm, head and rotary embedding (its frozen parts) and
+        # builds its layer as the target's first: the rank loads those alone (harness/runtime/partial.py).
+        loaded = load_part(plan.model, Part(0, 1, embedding=True, norm=True, head=True), device, plan.dtype,
+                           plan.weights_sha256)
         target = TargetRuntime(loaded.model, max_len=plan.max_len, identity=loaded.identity, compile=plan.compile)
         drafter = build_drafter(target, plan.params, plan.checkpoint)
         self.speculation = plan.speculation(drafter, plan.params, **plan.state)

@@ -55,7 +55,9 @@ class ModelDrafter:
             raise HarnessError(f"draft model {spec} has {runtime.config.vocab_size} token ids, the target "
                                f"{target.config.vocab_size}; pass a --draft-model with the target's tokenizer")
         # Its decoder layers' parameters over one target layer's: what a drafted token costs in target layers.
-        per_layer = _parameters(target.layers) / target.num_layers
+        # (over the layers this process holds: a drafter rank keeps one, harness/runtime/partial.py)
+        held = [layer for layer in target.layers if not isinstance(layer, torch.nn.Identity)]
+        per_layer = sum(map(_parameters, held)) / len(held)
         return cls(runtime, round(_parameters(runtime.layers) / per_layer, 3))
 
     def started(self, max_len: int, prompt_ids: list[int], first: int, captured: dict) -> _ModelRows:
