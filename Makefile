@@ -97,6 +97,10 @@ regression-baseline: gate-dir   # rewrites the committed baseline from a fresh g
 
 # On a GPU machine that has torch and transformers preinstalled and no network: no virtual environment, no
 # downloads; random models of real shapes, every method against AR, AR against HF generate, then every method again
-# through the compiled step (static shapes as CUDA graphs) (harness/bench/selfcheck.py).
+# through the compiled step (static shapes as CUDA graphs), in bf16 and then fp32 (harness/bench/selfcheck.py): each
+# check's record is written as it finishes, a divergence is classified a numerics flip or a logic divergence, and
+# fp32 runs even where bf16 failed.
+GPU_CHECK := PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.cli selfcheck --device cuda --compile on \
+	--out results/bench/selfcheck-gpu.jsonl
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.cli selfcheck --device cuda --compile on --out results/bench/selfcheck-gpu.jsonl
+	$(GPU_CHECK) --dtype bfloat16; bf16=$$?; $(GPU_CHECK) --dtype float32 && exit $$bf16

@@ -2,6 +2,7 @@
 
 import json
 
+import torch
 from click.testing import CliRunner
 
 from harness.cli import main
@@ -20,6 +21,9 @@ def test_selfcheck_runs_every_method_against_ar_and_records_it(tmp_path):
     assert any(m.startswith("spd n=2 distributed") for _, m in methods)
     assert any(m.startswith("ssd k=3 fan_out=2 distributed") for _, m in methods)
     assert all(r["ok"] for r in rows) and "verdict" in result.output
+    assert all(r["dtype"] == "float32" for r in rows)
+    assert f"torch {torch.__version__}, CUDA None, float32, --compile off: {len(rows)} of {len(rows)} checks pass, " \
+           f"0 numerics flips" in result.output  # the line to paste into an issue
 
 
 def test_selfcheck_on_a_missing_gpu_is_one_line(tmp_path):

@@ -287,8 +287,18 @@ def line(check: Check) -> str:
            f"identical to AR{ties}{said}"
 
 
-def record(check: Check, device: str) -> dict:
+def summary(checks: list[Check], device: str, dtype: torch.dtype, compile: str) -> str:
+    """One line to paste into an issue beside the table: where it ran, on what, and how it ended."""
+    where = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
+    flips = sum(c.ties for c in checks if c.method != "HF generate")
+    return (f"selfcheck on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"{str(dtype).removeprefix('torch.')}, --compile {compile}: {sum(c.ok for c in checks)} of {len(checks)} "
+            f"checks pass, {flips} numerics flips")
+
+
+def record(check: Check, device: str, dtype: torch.dtype) -> dict:
     versions = {"torch": torch.__version__}
     if device.startswith("cuda"):
         versions["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return {"kind": "selfcheck", "device": device, **asdict(check), "ok": check.ok, "versions": versions}
+    return {"kind": "selfcheck", "device": device, "dtype": str(dtype).removeprefix("torch."), **asdict(check),
+            "ok": check.ok, "versions": versions}

@@ -255,13 +255,13 @@ def selfcheck(device, shapes, dtype, prompts, max_new_tokens, compile_mode, out)
 
     device = str(resolve_device(device))  # indexed ("cuda" -> "cuda:0"); a missing CUDA device fails here
     _writable(out)
-    store, checks = ResultStore(out), []
-    for found in check.selfcheck(device, shapes, prompts, max_new_tokens, resolve_dtype(pick_dtype(dtype, device)),
-                                 compile_mode):
-        store.append(check.record(found, device))  # each written as it finishes: a later crash loses none
+    store, checks, torch_dtype = ResultStore(out), [], resolve_dtype(pick_dtype(dtype, device))
+    for found in check.selfcheck(device, shapes, prompts, max_new_tokens, torch_dtype, compile_mode):
+        store.append(check.record(found, device, torch_dtype))  # each written as it finishes: a later crash loses none
         click.echo(check.line(found))
         checks.append(found)
     click.echo(check.table(checks))
+    click.echo(check.summary(checks, device, torch_dtype, compile_mode))
     click.echo(f"records: {out}")
     if not all(c.ok for c in checks):
         raise SystemExit(1)
