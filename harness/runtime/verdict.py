@@ -58,24 +58,28 @@ class _Nearest:
     def __init__(self, step: torch.Tensor, tokens: list[int]):
         self.step, self.tokens = step, torch.tensor(tokens, device=step.device)
         self.best = torch.full((len(tokens),), float("inf"), device=step.device)
-        self.rows: list[torch.Tensor | None] = [None] * len(tokens)
 
     def __call__(self, logits: torch.Tensor) -> None:
         for row in logits.detach().reshape(-1, logits.shape[-1]).float():
             wanted = (self.tokens == row.argmax()).nonzero().flatten().tolist()
             for j in wanted:
-                d = (row - self.step[j]).abs().max()
-                if d < self.best[j]:
-                    self.best[j], self.rows[j] = d, row.clone()
+                self.best[j] = torch.minimum(self.best[j], (row - self.step[j]).abs().max())
 
 
 def _step_rows(target: TargetRuntime, run_ar: Callable[[int], list[int]], tokens: int, first: int
                ) -> tuple[list[int], torch.Tensor]:
     """AR's greedy output over `tokens` tokens and its one-token step's logits rows from position `first` on."""
     rows: list[torch.Tensor] = []
-    with target.watching(lambda logits: rows.append(logits[-1].detach().float().clone())):
+    seen = [0]
+
+    def keep(logits: torch.Tensor) -> None:  # only the window's rows are held (each is a vocabulary row)
+        if first <= seen[0] < tokens:
+            rows.append(logits[-1].detach().float().clone())
+        seen[0] += 1
+
+    with target.watching(keep):
         output = run_ar(tokens)
-    return output, torch.stack(rows[first:tokens])
+    return output, torch.stack(rows)
 
 
 def classify(target: TargetRuntime, run_method: Callable[[], list[int]], run_ar: Callable[[int], list[int]],
@@ -97,7 +101,7 @@ def classify(target: TargetRuntime, run_method: Callable[[], list[int]], run_ar:
                                  "the method's replay decoded other tokens: its output is not deterministic")
     s = step[-1]
     gap = float(s[theirs] - s[mine])
-    if nearest.rows[-1] is None:
+    if not torch.isfinite(nearest.best[-1]):
         return "logic", Evidence(mine, theirs, gap, None, None, None,
                                  "no target row the method computed has its token as the argmax")
     difference = float(nearest.best[-1])
