@@ -292,15 +292,21 @@ def test_kernels_torch_keeps_torchs_linears_and_sdpa(monkeypatch):
     from harness.runtime import models
 
     monkeypatch.setenv(kernels.CHOICE_VARIABLE, "torch")
-    monkeypatch.setattr(kernels, "rows_kernel_problem", kernels.rows_kernel_problem.__wrapped__)
-    monkeypatch.setattr(models, "rows_kernel_problem", kernels.rows_kernel_problem)
-    from harness.runtime import attention
-
-    monkeypatch.setattr(attention, "rows_kernel_problem", kernels.rows_kernel_problem)
     target = TargetRuntime(tiny_model("llama"), max_len=32)
     assert target.engine()["kernels"] == "torch" and target.linears == "default" and target.attention == "sdpa"
     assert not any(isinstance(m, PackedLinear) for m in target.model.modules())
     assert models.pick_dtype("auto", "cpu") == "float32"
+
+
+def test_a_choice_restored_after_an_answer_is_never_answered_from_the_earlier_choice(monkeypatch):
+    """Fails on 90451cc: the answer was cached with the choice it was made under, so a test that set
+    --kernels torch and had its environment restored left every later test in its process on torch's kernels."""
+    with monkeypatch.context() as scoped:
+        scoped.setenv(kernels.CHOICE_VARIABLE, "torch")
+        assert kernels.rows_kernel_problem() == "the row kernels are switched off (--kernels torch)"
+        assert TargetRuntime(tiny_model("llama"), max_len=32).linears == "default"
+    assert kernels.chosen() == "auto" and kernels.rows_kernel_problem() is None
+    assert TargetRuntime(tiny_model("llama"), max_len=32).linears == "rows"
 
 
 def test_a_bad_kernels_choice_is_one_line(monkeypatch):

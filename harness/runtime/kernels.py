@@ -189,9 +189,7 @@ def choose(choice: str) -> None:
     must build) or torch (torch's kernels everywhere). Made before the first model loads."""
     if choice not in CHOICES:
         raise HarnessError(f"--kernels must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if chosen() != choice:
-        os.environ[CHOICE_VARIABLE] = choice
-        rows_kernel_problem.cache_clear()
+    os.environ[CHOICE_VARIABLE] = choice
     if choice == "rows" and (why := rows_kernel_problem()) is not None:
         raise HarnessError(f"--kernels rows: {why}; use --kernels auto or torch")
 
@@ -210,12 +208,17 @@ CFLAGS, LDFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"], ["-fopenmp"]
 SANITIZE_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
 
 
-@functools.cache
 def rows_kernel_problem() -> str | None:
-    """Builds (once per source hash) and loads the row kernels once per process; returns why they cannot serve this
-    process, or None."""
+    """Why the row kernels cannot serve this process now, or None. The choice is read on every call (one made after
+    an earlier answer, or an environment restored by a test, is never answered from that earlier choice); the build
+    (once per source hash) and the load happen once per process."""
     if chosen() == "torch":
         return "the row kernels are switched off (--kernels torch)"
+    return _load_problem()
+
+
+@functools.cache
+def _load_problem() -> str | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     try:
