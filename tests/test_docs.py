@@ -96,6 +96,15 @@ def link_problems(path: Path, text: str) -> list[str]:
     return problems
 
 
+@pytest.fixture(autouse=True)
+def _kernels_restored(monkeypatch):
+    """Parsing a documented `--kernels torch` runs the option's callback, which sets the process's choice (for the
+    ranks a run starts): restored after each test, so no later test in this worker runs on torch's kernels."""
+    from harness.runtime.kernels import CHOICE_VARIABLE
+
+    monkeypatch.setenv(CHOICE_VARIABLE, "auto")
+
+
 @pytest.fixture
 def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)  # commands name files relative to the repository (a baseline, say)
