@@ -12,7 +12,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from harness.runtime.kernels import pack_linears
 from harness.runtime.state_cache import StateCache, call_layer
 from harness.runtime.target import TargetRuntime
 
@@ -69,14 +68,13 @@ class DraftModule(nn.Module):
         # Shared with the target and never trained (a tuple keeps them out of this module's parameters).
         self._frozen = (target.backbone.norm, target.backbone.rotary_emb, target.backbone.embed_tokens)
         self._step = target.compiled  # decoding runs the layers as the target's do (compiled or eager)
-        self._linears = target.linears  # and its Linears on the target's kernels
+        self._prepare = target.prepare_module  # and its Linears on the target's kernels
 
     def state_cache(self, max_len: int) -> StateCache:
         """A KV cache over `max_len` slots for decoding with this module's layers (at least one: a layout with a
         layer of its own uses slot 0), whose calls run as the target's layers do; decoding starts here, so this is
         where the module's Linears take the target's kernels (packed once; training keeps the plain path)."""
-        if self._linears != "default":
-            pack_linears(self)
+        self._prepare(self)
         return StateCache(["full_attention"] * max(1, len(self.layers)), max_len, rewind_window=0,
                           device=next(self.parameters()).device, step=self._step, owner=self)
 

@@ -129,10 +129,11 @@ def test_a_non_causal_call_without_a_mask_sees_every_slot():
 def test_the_record_names_the_attention_that_served():
     """Fails on a16459a: an fp16 runtime said `attention: rows` while sdpa served every call."""
     fp16 = TargetRuntime(tiny_model("llama", dtype=torch.float16), max_len=32)
-    assert fp16.engine()["attention"] == "sdpa" and fp16.model.config._attn_implementation == "sdpa"
+    assert fp16.engine()["attention"] == "sdpa_grouped"  # torch's sdpa, GQA's cache not copied
+    assert fp16.model.config._attn_implementation == "spd_sdpa_grouped"
     windowed = tiny_model("llama")
     windowed.config.sliding_window = 8
-    assert TargetRuntime(windowed, max_len=32).engine()["attention"] == "sdpa"
+    assert TargetRuntime(windowed, max_len=32).engine()["attention"] == "sdpa_grouped"
     assert TargetRuntime(tiny_model("llama"), max_len=32).engine()["attention"] == "rows"
 
 
@@ -153,3 +154,27 @@ def test_the_reference_key_names_the_machine_and_the_kernels_that_served(monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(import_utils, "is_flash_linear_attention_available", lambda: True)
     assert hybrid.numerics() != before
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_grouped_attention_equals_hfs_sdpa_over_repeated_keys_without_copying_them(rows):
+    """Fails on 90451cc: a masked call of HF's sdpa function on a GQA model copies the keys and values once per query
+    head (`repeat_kv`). The grouped form computes the same attention over the cache as it is."""
+    from harness.bench.dispatch import counting
+    from harness.runtime.grouped_attention import grouped_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny_model("llama")
+    layer = model.model.layers[0].self_attn
+    assert layer.num_key_value_groups == 2
+    query, key, value = _qkv(torch.float32, rows=rows, slots=40, heads=4, kv_heads=2, dim=16)
+    mask = torch.rand(1, 1, rows, 40) < 0.7
+    mask[..., 0] = True
+    expected, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.25)
+    with counting() as counts:
+        got, _ = grouped_attention(layer, query, key, value, mask, scaling=0.25)
+    assert torch.allclose(got, expected, atol=1e-6) and got.shape == (1, rows, 4, 16)
+    assert counts.largest < key.numel() * key.element_size()  # nothing the size of the cache is written
+    with counting() as counts:
+        sdpa_attention_forward(layer, query, key, value, mask, scaling=0.25)
+    assert rows == 1 or counts.largest >= 2 * key.numel() * key.element_size()  # HF's: repeat_kv's copy

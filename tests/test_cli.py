@@ -484,5 +484,5 @@ def test_kernels_torch_is_recorded_and_keys_its_own_configuration(tiny_dir, eval
     rows = _records(tmp_path / "r.jsonl")
     assert [r["conditions"]["kernels"] for r in rows] == ["auto", "torch"]
     assert [r["conditions"]["linears"] for r in rows] == ["rows", "default"]
-    assert [r["conditions"]["attention"] for r in rows] == ["rows", "sdpa"]
+    assert [r["conditions"]["attention"] for r in rows] == ["rows", "sdpa_grouped"]
     assert rows[0]["config_key"] != rows[1]["config_key"] and all(r["lossless"]["identical"] for r in rows)

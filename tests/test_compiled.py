@@ -160,16 +160,18 @@ def test_the_static_step_decodes_the_same_tokens_with_one_graph_per_layer_class_
 
 
 def test_a_static_call_pads_its_rows_and_masks_the_rest_of_the_buffer():
-    """Three rows at slots 5..7 padded to four: the fourth writes and sees only the scratch slot above max_len, the
-    real rows see the slots up to their own, and every layer is handed the same padded rope and positions."""
-    target = TargetRuntime(MODEL, max_len=16, compile=CompiledStep("on", static=True))
+    """Three rows at slots 5..7 padded to four: the fourth writes and sees only the scratch slot, the buffer's last
+    (max_len 16 and a scratch slot take a buffer of 32), the real rows see the slots up to their own, and every
+    layer is handed the same padded rope and positions."""
+    target = TargetRuntime(tiny_model("llama"), max_len=16, compile=CompiledStep("on", static=True))
     target.forward(torch.arange(5), 0)  # the prefill shapes the buffer
     mask = target.cache.begin(range(5, 8))
     static = target.cache._static
-    assert (static.rows, static.size, static.write.tolist()) == (3, 4, [5, 6, 7, 16])
-    assert mask.shape == (1, 1, 4, 17)
-    assert mask[0, 0, :3].tolist() == [[c <= row for c in range(17)] for row in (5, 6, 7)]
-    assert mask[0, 0, 3].nonzero().flatten().tolist() == [16]
+    assert target.cache.kv[0].shape[2] == 32
+    assert (static.rows, static.size, static.write.tolist()) == (3, 4, [5, 6, 7, 31])
+    assert mask.shape == (1, 1, 4, 32)
+    assert mask[0, 0, :3].tolist() == [[c <= row for c in range(32)] for row in (5, 6, 7)]
+    assert mask[0, 0, 3].nonzero().flatten().tolist() == [31]
     positions = torch.arange(5, 8)[None]
     assert static._pad(positions) is static._pad(positions)  # padded once per call
     assert static._pad(positions).tolist() == [[5, 6, 7, 7]]
@@ -200,10 +202,11 @@ def _failing(monkeypatch):
 
 def test_a_step_that_cannot_compile_stops_in_one_line_or_runs_eager_with_auto(monkeypatch, capsys):
     _failing(monkeypatch)
+    model = tiny_model("llama")  # a model of its own: a step belongs to its model, and this one fails
     with pytest.raises(HarnessError, match=r"^--compile cannot compile the layer step \(RuntimeError: no compiler "
                                            r"here\); run with --compile auto"):
-        _outputs(_built("autoregressive", TargetRuntime(MODEL, max_len=256, compile="on")))
-    target = TargetRuntime(MODEL, max_len=256, compile="auto")
+        _outputs(_built("autoregressive", TargetRuntime(model, max_len=256, compile="on")))
+    target = TargetRuntime(model, max_len=256, compile="auto")
     assert _outputs(_built("autoregressive", target)) == _outputs(_built("autoregressive", TargetRuntime(MODEL)))
     assert target.engine()["compile"] == {"mode": "auto", "engine": "eager",
                                           "why": "cannot compile the layer step (RuntimeError: no compiler here)"}
@@ -258,20 +261,17 @@ def test_a_pair_that_compiled_a_graph_decodes_again_so_no_timing_holds_compiling
 
 
 def test_cuda_graphs_are_recorded_as_what_ran_and_a_recording_is_warmed_out_of_a_timing():
-    """A CUDA-graphed step says `cuda_graphs` only once inductor recorded one (asking for them is not running
-    them), and `warm` decodes again after a call that recorded a graph, as after one that compiled. The recording is
-    announced as inductor announces it (dynamo's CUDAGRAPH_RECORDING callback), so this runs on a CPU."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
-
-    from harness.runtime.compiled import CompiledStep, warm
+    """A CUDA-graphed step says `cuda_graphs` only once a graph was recorded (asking for them is not running them),
+    and `warm` decodes again after a call that recorded a graph, as after one that compiled."""
+    from harness.runtime.compiled import warm
 
     step = CompiledStep("on", "cuda")  # built only: nothing compiles or records until it is called
     assert step.graphed and step.conditions()["cuda_graphs"] is False
     assert step.conditions()["cuda_graph_recordings"] == 0
 
     def records_a_graph():
-        with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"):
-            return "out"
+        step.recorded.recordings += 1
+        return "out"
 
     calls = []
 
@@ -281,3 +281,123 @@ def test_cuda_graphs_are_recorded_as_what_ran_and_a_recording_is_warmed_out_of_a
 
     assert warm(step, decode) == "out" and len(calls) == 2  # the call that recorded is not the one returned
     assert step.conditions()["cuda_graphs"] is True and step.conditions()["cuda_graph_recordings"] == 1
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "eagle3-tree"])
+def test_each_layers_graph_is_found_by_its_shape_and_a_replaced_weight_is_recorded_again(name, monkeypatch):
+    """Fails on 90451cc (inductor's graphs: every layer a recording of one function, searched in turn at every
+    call). The runtime's graphs, on a CPU re-run where a GPU replays them, on torch's kernels as a GPU runs: the
+    tokens equal eager's; one graph per layer and padded shape, in a dict; the static inputs are one set per shape,
+    not per layer; a second pass records nothing; a layer whose weight was replaced is recorded again and decodes
+    with the new weight."""
+    from harness.runtime import kernels
+
+    monkeypatch.setenv(kernels.CHOICE_VARIABLE, "torch")
+    model = tiny_model("llama")
+    eager = _outputs(_built(name, TargetRuntime(model, max_len=256)))
+    step = CompiledStep("on", static=True, graphed=True)
+    target = TargetRuntime(model, max_len=256, compile=step)
+    method = _built(name, target)
+    assert _outputs(method) == eager
+    graphs = step.recorded._recorded
+    layers = {key[0] for key in graphs}
+    forms = {key[1] for key in graphs}
+    assert len(layers) >= target.num_layers and len(graphs) <= len(layers) * len(forms)
+    assert len(step.recorded._slots) <= sum(len(form) for form in forms)  # shared by every layer of a shape
+    recordings = step.recorded.recordings
+    assert recordings == len(graphs) and step.conditions()["cuda_graph_recordings"] == recordings
+    assert _outputs(method) == eager and step.recorded.recordings == recordings  # replays only
+    with torch.inference_mode(False):
+        down = model.model.layers[1].mlp.down_proj
+        down.weight = torch.nn.Parameter(down.weight * -1.5)
+    changed = _outputs(_built(name, TargetRuntime(model, max_len=256)))
+    assert changed != eager and _outputs(method) == changed
+    assert step.recorded.recordings > recordings
+
+
+def test_a_models_static_buffer_serves_shorter_runs_and_grows_by_powers_of_two():
+    """The KV set a static step keeps per model and layout: a shorter run takes the held set, a longer one a set of
+    the next power of two slots (so graphs are recorded anew at most log2(context) times)."""
+    step, owner = CompiledStep("on", static=True), object()
+    first = step.buffer(owner, 2, (1, 2, 300, 8), torch.float32, torch.device("cpu"))
+    assert first[0].shape == (1, 2, 512, 8)
+    assert step.buffer(owner, 2, (1, 2, 100, 8), torch.float32, torch.device("cpu")) is first
+    grown = step.buffer(owner, 2, (1, 2, 513, 8), torch.float32, torch.device("cpu"))
+    assert grown[0].shape == (1, 2, 1024, 8) and step.buffer(owner, 2, (1, 2, 300, 8), torch.float32,
+                                                              torch.device("cpu")) is grown
+    assert step.buffer(object(), 2, (1, 2, 300, 8), torch.float32, torch.device("cpu")) is not grown
+
+
+def test_a_sweep_replays_its_first_configurations_graphs_in_the_static_form(tiny_dir, eval_dir, tmp_path, cache,
+                                                                            monkeypatch):
+    """Fails on 90451cc: each configuration's runtime built a compiled step and KV buffers of its own, which dynamo
+    guards on (static addresses), so every configuration of a sweep compiled (on CUDA: recorded) its graphs anew, up
+    to dynamo's recompile limit. Twelve configurations in one process, in the static form CUDA takes: a
+    configuration adds no graph for a call form (layer class, padded rows) an earlier one met; every runtime is
+    handed its model's one step, and each record counts only the graphs its own run compiled."""
+    from harness.bench.config import RunConfig
+    from harness.bench.sweep import sweep
+    from harness.runtime.backend_rows import RowKernels
+
+    monkeypatch.setattr(RowKernels, "static_step", True)  # the form CUDA's backend takes
+    forms, seen, jobs_seen = [], set(), []
+    original_call, original_run = StaticCall.__call__, Runner.run
+
+    def call(self, step, layer, args, kwargs, cache):
+        forms.append((type(layer).__name__, self.size))
+        return original_call(self, step, layer, args, kwargs, cache)
+
+    def run(self, samples, store, bar=None):
+        forms.clear()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        result = original_run(self, samples, store, bar)
+        new = set(forms) - seen
+        seen.update(forms)
+        jobs_seen.append((self.config.method, self.config.params, self.config.max_new_tokens, len(new),
+                          torch._dynamo.utils.counters["stats"]["unique_graphs"] - before, self.target.compiled))
+        return result
+
+    monkeypatch.setattr(StaticCall, "__call__", call)
+    monkeypatch.setattr(Runner, "run", run)
+    base = RunConfig(model=str(tiny_dir), datasets=("gsm8k",), limit=1, max_new_tokens=12, data_dir=str(eval_dir),
+                     compile="on")
+    points = [("autoregressive", {}, 12), ("lookup", {"k": 7}, 12),
+              *[("lookup", {"k": k}, new) for k in range(2, 7) for new in (12, 20)][:8], ("autoregressive", {}, 20),
+              ("autoregressive", {}, 28)]
+    jobs = {f"{method}-{params}-{new}": RunConfig(**{**base.__dict__, "method": method, "params": params,
+                                                     "max_new_tokens": new, "out": tmp_path / f"{i}.jsonl"})
+            for i, (method, params, new) in enumerate(points)}
+    outcome = sweep(jobs, base, tmp_path)
+    assert not outcome.skipped and len(jobs_seen) == len(jobs) >= 12
+    assert len({id(job[-1]) for job in jobs_seen}) == 1  # one step, the model's
+    for method, params, new_tokens, new_forms, added, _ in jobs_seen[1:]:
+        assert added <= new_forms, (method, params, new_tokens, new_forms, added)
+    assert sum(job[3] for job in jobs_seen[2:]) < len(jobs) - 2  # later configurations mostly meet known forms
+    records = [json.loads(line) for i in range(len(jobs))
+               for line in (tmp_path / f"{i}.jsonl").read_text().splitlines()]
+    assert all(r["lossless"]["identical"] for r in records)
+    assert [r["conditions"]["compile"]["graphs"] for r in records][2:] == [job[4] for job in jobs_seen][2:]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_static_step_copies_no_keys_or_values_where_sdpa_serves(rows, monkeypatch):
+    """Fails on 90451cc: on torch's sdpa (CUDA's attention) a masked call of a GQA model expanded the keys and
+    values to every query head (`repeat_kv`), and the static step masks every call over the whole buffer: a copy
+    of the buffer, twice over here, in every layer at every step. Counted by the dispatch counter on the static
+    step's shapes run eagerly (the ops a graph is traced from): no op writes as much as one layer's keys."""
+    from harness.bench.dispatch import counting
+    from harness.runtime import kernels
+
+    monkeypatch.setenv(kernels.CHOICE_VARIABLE, "torch")
+    step = CompiledStep("on", static=True)
+    step.failed = "counted eagerly"  # the static shapes, each op seen by the counter
+    target = TargetRuntime(tiny_model("llama"), max_len=1000, compile=step)
+    assert target.attention == "sdpa_grouped"
+    target.forward(torch.arange(20), 0)
+    with counting() as counts:
+        h = target.embed(torch.arange(20, 20 + rows))
+        target.run_layers(0, target.num_layers, h, range(20, 20 + rows))
+    keys = target.cache.kv[0]
+    assert keys.shape[2] == 1024 and target.cache._static.size == rows
+    assert counts.largest < keys.nbytes, (counts.largest, keys.nbytes)
+    assert counts.written < target.num_layers * keys.nbytes  # less than one buffer's worth a layer, all told

@@ -99,7 +99,7 @@ def test_a_bf16_runtimes_logits_are_the_heads_fp32_sums_never_rounded_to_bf16(ch
 def test_weights_the_row_kernel_does_not_take_keep_onednn_or_the_plain_path(monkeypatch):
     assert kernel_for(torch.zeros(12, 16)) == "onednn"  # not a multiple of eight outputs
     assert kernel_for(torch.zeros(12, 16, dtype=torch.bfloat16)) is None
-    monkeypatch.setattr(kernels, "rows_kernel_problem", lambda: "the row kernels did not build: no compiler")
+    monkeypatch.setattr(kernels, "rows_ready", lambda: False)  # not built, or did not build
     assert kernel_for(torch.zeros(16, 16)) == "onednn"
     assert kernel_for(torch.zeros(16, 16, dtype=torch.bfloat16)) is None
 
@@ -293,7 +293,7 @@ def test_kernels_torch_keeps_torchs_linears_and_sdpa(monkeypatch):
 
     monkeypatch.setenv(kernels.CHOICE_VARIABLE, "torch")
     target = TargetRuntime(tiny_model("llama"), max_len=32)
-    assert target.engine()["kernels"] == "torch" and target.linears == "default" and target.attention == "sdpa"
+    assert target.engine()["kernels"] == "torch" and target.linears == "default" and target.attention == "sdpa_grouped"
     assert not any(isinstance(m, PackedLinear) for m in target.model.modules())
     assert models.pick_dtype("auto", "cpu") == "float32"
 
@@ -329,4 +329,27 @@ def test_a_drafter_decodes_on_the_targets_kernels_and_trains_on_the_plain_path()
         x = torch.randn(1, 3, 64, requires_grad=True)
         speculator.head(x).sum().backward()  # gradients still reach the weights
     assert speculator.head.weight.grad is not None and x.grad is not None
+
+
+
+def test_each_device_takes_its_backend_and_a_gpu_box_never_builds_the_cpu_kernels(monkeypatch):
+    """Fails on 90451cc (no backends: device branches inside the runtime). CUDA's backend is chosen without a
+    look at the row kernels (a build that would fail here fails the test); a CPU takes them where they build,
+    torch's kernels where they do not; no method sees which."""
+    from harness.runtime import backend_rows
+    from harness.runtime.backend_cuda import Cuda
+    from harness.runtime.backends import backend_for
+
+    def no_build():
+        raise AssertionError("the row kernels were built for a CUDA runtime")
+
+    with monkeypatch.context() as scoped:
+        scoped.setattr(backend_rows, "rows_kernel_problem", no_build)
+        cuda = backend_for("cuda")
+    assert isinstance(cuda, Cuda) and cuda.static_step and cuda.graphed and cuda.numerics()[0].startswith("sdpa:")
+    assert backend_for("cpu").name == "rows"
+    monkeypatch.setattr(backend_rows, "rows_kernel_problem", lambda: "the row kernels did not build: no compiler")
+    target = TargetRuntime(tiny_model("llama"), max_len=32)
+    assert target.backend.name == "torch" and target.linears == "default" and target.attention == "sdpa_grouped"
+    assert not any(isinstance(m, PackedLinear) for m in target.model.modules())
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
@@ -49,7 +50,22 @@ class _Ops(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SYNC_OPS or (name == "index" and _bool_index(args)):
             self.counts.sync("boolean mask" if name == "index" else name)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.counts.wrote(_written(out, (args, kwargs)))
+        return out
+
+
+def _written(out, inputs) -> list[int]:
+    """The bytes of each tensor an op made anew: not a view of an input nor an input written in place (those share
+    an input's storage)."""
+    def storage(t) -> int | None:
+        try:
+            return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+        except NotImplementedError:  # a tensor without a storage of its own (oneDNN's opaque ones): not counted
+            return None
+
+    held = {storage(t) for t in pytree.tree_leaves(inputs)}
+    return [t.nbytes for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and storage(t) not in held]
 
 
 def _bool_index(args) -> bool:
@@ -73,12 +89,19 @@ class _Reads(TorchFunctionMode):
 
 @dataclass
 class Counts:
-    """aten ops and host syncs of one counted region; syncs by kind and by the project line that caused them."""
+    """aten ops, host syncs and bytes written of one counted region; syncs by kind and by the project line that
+    caused them."""
 
     ops: int = 0
     syncs: int = 0
     kinds: collections.Counter = field(default_factory=collections.Counter)
     sites: collections.Counter = field(default_factory=collections.Counter)
+    written: int = 0  # bytes of the tensors ops made anew (a GPU writes them to memory: traffic a step pays)
+    largest: int = 0  # the most bytes one op made (a copy of a whole cache shows here)
+
+    def wrote(self, sizes: list[int]) -> None:
+        self.written += sum(sizes)
+        self.largest = max([self.largest, *sizes])
 
     def sync(self, kind: str) -> None:
         self.syncs += 1

@@ -19,6 +19,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from harness.runtime.grouped_attention import NAME as GROUPED
 from harness.runtime.kernels import rows_kernel_problem
 
 NAME = "spd_rows"
@@ -30,8 +31,8 @@ def use_rows_attention(model: torch.nn.Module) -> str:
     layers: no sliding window); returns the attention a record names: "rows" or the implementation that serves."""
     config = model.config.get_text_config()
     current = config._attn_implementation
-    if current == NAME:
-        return "rows"
+    if current in (NAME, GROUPED):  # an earlier runtime of this model chose: chosen anew (--kernels may differ)
+        model.set_attn_implementation(current := "sdpa")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
     windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)

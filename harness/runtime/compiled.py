@@ -19,14 +19,16 @@ compiles the dynamic graph first. Single layers (an EAGLE-3 head's, the SPD spec
 dictionaries, stay eager. Inductor keeps what it compiled in its on-disk cache, so a second run compiles in a
 fraction of the time.
 
-On CUDA the step is static and graphed (`mode="reduce-overhead"`), one layer a graph: a graph is recorded per shape,
-and the cache length grows every step, so a static call (`StaticCall`) reads and writes the whole preallocated
-buffer under a mask and pads its query rows to a bucket (1, 2, 4, .. 64 rows): a handful of shapes per layer class,
-whatever the length. A padded row writes a scratch slot above the buffer's max_len and sees only it. Calls longer
-than the largest bucket (a prompt's prefill) run eagerly. Each call's output is copied out of the graphs' memory
-pool, so a tensor a method keeps across steps (a pipeline stage's output, captured features) is never overwritten by
-a later replay. Tests run the static form on CPU (`static=True`); on a CPU the dynamic step is the faster one, since
-attending over the whole buffer costs more than the launches it saves there.
+On CUDA the step is static and graphed, one layer a graph (harness/runtime/cuda_graphs.py records them and finds
+them by layer and shape): a graph is recorded per shape, and the cache length grows every step, so a static call
+(`StaticCall`) reads and writes the whole preallocated buffer under a mask and pads its query rows to a bucket (1,
+2, 4, .. 64 rows): a handful of shapes per layer class, whatever the length. A padded row writes a scratch slot, the
+buffer's last, and sees only it. Calls longer than the largest bucket (a prompt's prefill) run eagerly. Each call's
+output is copied out of the graphs' memory pool, so a tensor a method keeps across steps (a pipeline stage's output,
+captured features) is never overwritten by a later replay. The step and its buffers belong to the loaded model
+(`step_for`, `CompiledStep.buffer`), sized for the longest run it served so far, so a sweep's configurations replay
+the graphs its first one recorded. Tests run the static form on CPU (`static=True`); on a CPU the dynamic step is
+the faster one, since attending over the whole buffer costs more than the launches it saves there.
 """
 
 from __future__ import annotations
@@ -34,17 +36,17 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections import Counter
+import weakref
 
 import torch
 
+from harness.runtime.cuda_graphs import GraphedCalls
 from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.kernels import packed_modules, refresh
 
 
 GRAPHS = 64  # the most graphs the layer step may hold
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the query lengths a static call pads to; longer calls run eagerly
-RECORDINGS = 4096  # CUDA graphs recorded per step: one per layer and shape (each layer's weights live apart)
 
 
 def bucket(rows: int) -> int | None:
@@ -150,39 +152,42 @@ class CompiledStep:
     calls that compiled a graph, the `graphs` they compiled (dynamo's cache is the process's: a graph another runtime
     compiled is reused). `auto` falls back to eager, saying why once, where `on` stops with a one-line error."""
 
-    def __init__(self, mode: str, device_type: str = "cpu", static: bool | None = None):
+    def __init__(self, mode: str, device_type: str = "cpu", static: bool | None = None, graphed: bool | None = None):
         if mode not in ("on", "auto"):
             raise ValueError(f"compile mode {mode!r} is not one of on, auto")
-        # Static shapes where CUDA graphs replay them (see the module doc); a test asks for them on a CPU.
+        # Static shapes where CUDA graphs replay them (see the module doc); a test asks for them (and for graphs,
+        # re-run where a GPU would replay them: harness/runtime/cuda_graphs.py) on a CPU.
         self.static = device_type == "cuda" if static is None else static
-        self.graphed = self.static and device_type == "cuda"
-        # A layer's index is an int attribute; specialising on it would compile one graph per layer.
-        torch._dynamo.config.allow_unspec_int_on_nn_module = True
-        # One graph per layer class (target, drafter, the EAGLE-3 authors' layer) and call form (one row or many,
-        # tree or chain): more than dynamo's default of 8 for one function, and a bounded set.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
+        self.graphed = self.static and (device_type == "cuda" if graphed is None else graphed)
+        _dynamo_for_layer_steps()
         self.mode = mode
-        if self.graphed:  # every layer's weights are the graph's inputs at addresses of their own: one recording each
-            torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit = RECORDINGS
-        self.step = torch.compile(_static_layer_step, dynamic=False, fullgraph=True,
-                                  mode="reduce-overhead" if self.graphed else None) if self.static else \
+        self.step = torch.compile(_static_layer_step, dynamic=False, fullgraph=True) if self.static else \
             torch.compile(_layer_step, dynamic=True, fullgraph=True)
+        # The graphs the runtime records and looks up itself, one per layer and shape (inductor's own would search
+        # every layer's recording at every call).
+        self.recorded = GraphedCalls(device_type) if self.graphed else None
         # A run of alike layers as one graph (the module doc); the static step keeps one graph per layer.
         self.ranges = None if self.static else torch.compile(_layers_step, fullgraph=True)
         self.seconds, self.graphs, self.recordings, self.failed = 0.0, 0, 0, None
-        if self.graphed:
-            _count_recordings()
         self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._packed: dict[int, tuple] = {}  # a layer's packed Linears, found once (`_refresh`)
 
     def buffer(self, owner, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                ) -> tuple[torch.Tensor, ...]:
-        """The `count` KV tensors (each layer's keys, then its values) a static cache of `owner` (the model whose
-        layers it serves) writes: one set per owner and shape, kept from one generation to the next, so the graphs
-        recorded on them replay there (fresh tensors would have them recorded anew)."""
-        key = (id(owner), count, shape, dtype, str(device))
-        if key not in self._buffers:
-            tensors = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(count))
+        """The `count` KV tensors (each layer's keys, then its values; `shape` [B, heads, slots, head dim] with at
+        least the slots asked for) a static cache of `owner` (the model whose layers it serves) writes. One set per
+        owner and layout, kept from one runtime and generation to the next, so the graphs recorded on them replay for
+        every run the model serves (dynamo guards on these tensors: fresh ones would compile and record every graph
+        anew, per configuration of a sweep, up to its recompile limit). A run longer than the set holds replaces it
+        with one of the next power of two slots (a shorter run uses the longer set: its mask hides the rest), so a
+        process grows its graphs at most log2(context) times. Runtimes of one model share the set: one sequence at a
+        time, as the runtime decodes batch 1."""
+        key = (id(owner), count, shape[:2], shape[3:], dtype, str(device))
+        held = self._buffers.get(key)
+        if held is None or held[0].shape[2] < shape[2]:
+            slots = 1 << (shape[2] - 1).bit_length()
+            tensors = tuple(torch.zeros((*shape[:2], slots, *shape[3:]), dtype=dtype, device=device)
+                            for _ in range(count))
             for tensor in tensors:  # graphs write them in place: addresses that stay put, not inputs to copy in
                 torch._dynamo.mark_static_address(tensor)
             self._buffers[key] = tensors
@@ -191,10 +196,12 @@ class CompiledStep:
     def __call__(self, layer, *args, cache: LayerKV, **kwargs) -> torch.Tensor:
         """layer(*args, cache=cache, **kwargs), compiled."""
         self._refresh([layer])
-        if self.graphed:  # nothing a replay wrote before is still read from the pool (outputs are copied out)
-            torch.compiler.cudagraph_mark_step_begin()
-        out = self._compiled(self.step, _layer_step, layer, *args, cache=cache, **kwargs)
-        return out.clone() if self.graphed and self.failed is None else out
+        return self._compiled(self.step if self.recorded is None else self._replay, _layer_step, layer, *args,
+                              cache=cache, **kwargs)
+
+    def _replay(self, layer, *args, cache: LayerKV, **kwargs) -> torch.Tensor:
+        """The call through the layer's CUDA graph for its shape (recorded on first use), its output copied out."""
+        return self.recorded(self.step, layer, args, kwargs, cache)
 
     def layers(self, layers: list, h: torch.Tensor, kv: list[torch.Tensor], end: int, write: torch.Tensor, mask,
                position_ids, rope) -> tuple[torch.Tensor, ...]:
@@ -214,17 +221,20 @@ class CompiledStep:
         """compiled(*args, **kwargs), counting the graphs it compiles and their seconds; eager(...) once failed."""
         if self.failed is not None:
             return eager(*args, **kwargs)
-        before, recorded, start = _graphs(), _RECORDINGS["cuda"], time.perf_counter()
+        before, recorded, start = _graphs(), self._recorded(), time.perf_counter()
         try:
             out = compiled(*args, **kwargs)
         except Exception as exc:  # a graph that cannot be built fails before it runs: nothing was written
             self._fail(exc)
             return eager(*args, **kwargs)
-        if _graphs() > before or _RECORDINGS["cuda"] > recorded:
+        if _graphs() > before or self._recorded() > recorded:
             self.seconds += time.perf_counter() - start
             self.graphs += _graphs() - before
-            self.recordings += _RECORDINGS["cuda"] - recorded
+            self.recordings += self._recorded() - recorded
         return out
+
+    def _recorded(self) -> int:
+        return self.recorded.recordings if self.recorded is not None else 0
 
     @property
     def work(self) -> int:
@@ -239,16 +249,47 @@ class CompiledStep:
         self.failed = why
         print(f"warning: --compile auto: {why}; running eager", file=sys.stderr)
 
-    def conditions(self) -> dict:
-        """What a record says about the engine: compiled or fallen back, graphs and compile seconds so far, and
-        whether CUDA graphs ran: recorded (not only asked for), with the graphs inductor declined to record."""
+    def tally(self) -> tuple[int, int, float]:
+        """Graphs compiled, CUDA graphs recorded and compile seconds so far (a runtime's `conditions` count from
+        the tally it started at: the step is its model's, shared by every run)."""
+        return self.graphs, self.recordings, self.seconds
+
+    def conditions(self, since: tuple[int, int, float] = (0, 0, 0.0)) -> dict:
+        """What a record says about the engine: compiled or fallen back, the graphs and compile seconds spent since
+        `since` (a runtime's start), and whether CUDA graphs ran: recorded (not only asked for; by this run or an
+        earlier one of the model), with those this run recorded."""
         if self.failed is not None:
             return {"mode": self.mode, "engine": "eager", "why": self.failed}
-        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] if self.graphed else 0
+        graphs, recordings, seconds = (now - then for now, then in zip(self.tally(), since))
         return {"mode": self.mode, "engine": "inductor", "shapes": "static" if self.static else "dynamic",
                 "unit": "layer" if self.static else "layer run", "cuda_graphs": self.recordings > 0,
-                **({"cuda_graph_recordings": self.recordings, "cuda_graph_skips": skips} if self.graphed else {}),
-                "graphs": self.graphs, "compile_s": round(self.seconds, 1)}
+                **({"cuda_graph_recordings": recordings} if self.graphed else {}),
+                "graphs": graphs, "compile_s": round(seconds, 1)}
+
+
+@functools.cache
+def _dynamo_for_layer_steps() -> None:
+    """dynamo's process-wide settings the layer steps need, set once, with the first step."""
+    # A layer's index is an int attribute; specialising on it would compile one graph per layer.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # One graph per layer class (target, drafter, the EAGLE-3 authors' layer) and call form (one row or many, tree
+    # or chain): more than dynamo's default of 8 for one function, and a bounded set.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
+
+
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a loaded model -> its steps by form
+
+
+def step_for(model: torch.nn.Module, mode: str, backend, device_type: str) -> CompiledStep:
+    """The compiled step of a loaded model, in its backend's form (harness/runtime/backend.py): one per model and
+    mode, whichever runtime, configuration or method runs it (each `Runner` of a sweep builds a runtime of its own),
+    so its graphs and static buffers serve every run of the model in the process, and only a shape no earlier run
+    met compiles."""
+    form = (mode, backend.static_step, backend.graphed)
+    steps = _STEPS.setdefault(model, {})
+    if form not in steps:
+        steps[form] = CompiledStep(mode, device_type, static=backend.static_step, graphed=backend.graphed)
+    return steps[form]
 
 
 def warm(compiled: CompiledStep | None, call):
@@ -260,21 +301,6 @@ def warm(compiled: CompiledStep | None, call):
         result = call()
         if compiled is None or compiled.work == work:
             return result
-
-
-_RECORDINGS: Counter = Counter()  # CUDA graphs inductor recorded in this process (`_count_recordings`)
-
-
-@functools.cache  # one callback for the process
-def _count_recordings() -> None:
-    """Counts inductor's CUDA-graph recordings from here on (dynamo announces each to its start callbacks)."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
-
-    def count(args) -> None:
-        if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
-            _RECORDINGS["cuda"] += 1
-
-    callback_handler.register_start_callback(count)
 
 
 def _graphs() -> int:

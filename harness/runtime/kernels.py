@@ -119,9 +119,9 @@ class PackedLinear(torch.nn.Module):
 
 
 def float_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Linear's outputs in fp32, whatever its weights' dtype: an LM head's logits as the reference decodes from
-    them (bf16 logits round near-ties into exact ties the fp32 sums do not have). A CUDA matmul writes its fp32 sums
-    out as they are (no copy of the weight); torch's CPU path takes the weight in fp32 for the call."""
+    """A CPU Linear's outputs in fp32, whatever its weights' dtype: an LM head's logits as the reference decodes
+    from them (bf16 logits round near-ties into exact ties the fp32 sums do not have). torch's path takes the
+    weight in fp32 for the call."""
     if isinstance(linear, PackedLinear):
         return linear.float_forward(x)
     if linear.weight.dtype == torch.float32:
@@ -130,10 +130,7 @@ def float_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.device.type == "cuda":
-        out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-    else:
-        out = F.linear(x.float(), weight.float())
+    out = F.linear(x.float(), weight.float())
     return out if bias is None else out + bias.float()
 
 
@@ -150,14 +147,14 @@ def refresh(modules: list[PackedLinear]) -> None:
 
 
 def kernel_for(weight: torch.Tensor) -> str | None:
-    """The kernel that serves a weight: "rows" for an fp32 or bf16 weight of a multiple of eight outputs where the
-    row kernel builds, "onednn" for another fp32 weight, None (the plain path) for anything else, and for a tensor
-    made under inference mode (no version counter: a write to it could not be seen, so it is never copied)."""
+    """The kernel that serves a weight: "rows" for an fp32 or bf16 weight of a multiple of eight outputs where the row
+    kernels were built and serve, "onednn" for another fp32 weight, None (the plain path) for anything else, and for
+    a tensor made under inference mode (no version counter: a write to it could not be seen, so it is never copied)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if weight.is_inference() or weight.shape[1] == 0 or chosen() == "torch":
         return None
-    if weight.shape[0] % 8 == 0 and rows_kernel_problem() is None:
+    if weight.shape[0] % 8 == 0 and rows_ready():
         return "rows"
     return "onednn" if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available() else None
 
@@ -215,6 +212,12 @@ def rows_kernel_problem() -> str | None:
     if chosen() == "torch":
         return "the row kernels are switched off (--kernels torch)"
     return _load_problem()
+
+
+def rows_ready() -> bool:
+    """Whether the row kernels serve this process now, asked without building them (`rows_kernel_problem` builds:
+    the row kernels' backend calls it once, explicitly, before it prepares a model)."""
+    return chosen() != "torch" and _load_problem.cache_info().currsize > 0 and _load_problem() is None
 
 
 @functools.cache

@@ -151,7 +151,7 @@ class StateCache:
             if self.step is not None and self.step.static:  # the owner's tensors, one slot more for padded rows
                 self.kv = self.step.buffer(self.owner, count, (*shape[:2], self.max_len + 1, shape[3]), key.dtype,
                                            key.device)
-                self._columns = torch.arange(self.max_len + 1, device=key.device)
+                self._columns = torch.arange(self.kv[0].shape[2], device=key.device)
             else:
                 self.kv = tuple(key.new_zeros(shape) for _ in range(count))
         return self.layer(layer_idx).update(key, value)

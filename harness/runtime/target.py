@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.runtime.attention import use_rows_attention
-from harness.runtime.compiled import CompiledStep, alike_runs
+from harness.runtime.compiled import CompiledStep, alike_runs, step_for
 from harness.runtime.conditions import processor
-from harness.runtime.kernels import chosen, float_linear, kernels_build, pack_linears
+from harness.runtime.backends import backend_for
+from harness.runtime.kernels import chosen
 from harness.runtime.state_cache import Positions, StateCache
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
@@ -85,12 +85,13 @@ class TargetRuntime:
         self.rewind_window = rewind_window
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.linears = pack_linears(model) if self.device.type == "cpu" else "default"
-        self.attention = use_rows_attention(model) if self.device.type == "cpu" else \
-            self.config._attn_implementation
-        # `compile`: a mode, or the step of the runtime this one drafts for (their graphs are shared)
+        self.backend = backend_for(self.device.type)  # what serves Linears, attention, head and compiled step
+        prepared = self.backend.prepare(model)
+        self.linears, self.attention = prepared.linears, prepared.attention
+        # `compile`: a mode (the model's own step: `step_for`), or the step of the runtime this one drafts for
         self.compiled = compile if isinstance(compile, CompiledStep) else \
-            None if compile == "off" else CompiledStep(compile, self.device.type)
+            None if compile == "off" else step_for(model, compile, self.backend, self.device.type)
+        self._compile_start = self.compiled.tally() if self.compiled else None  # what this runtime's records count
         # A stage rank keeps only its stage's layers (the others are Identity): caches for the layers it holds.
         self._cached_types = [kind if not isinstance(layer, torch.nn.Identity) else "dropped"
                               for kind, layer in zip(self.layer_types, self.layers)]
@@ -104,7 +105,7 @@ class TargetRuntime:
         """What a record says about how the target ran: the --kernels choice, the kernels its Linears and attention
         took and, when asked for, the compiled step."""
         return {"kernels": chosen(), "linears": self.linears, "attention": self.attention,
-                **({"compile": self.compiled.conditions()} if self.compiled else {})}
+                **({"compile": self.compiled.conditions(self._compile_start)} if self.compiled else {})}
 
     @property
     def compile_mode(self) -> str:
@@ -117,8 +118,7 @@ class TargetRuntime:
         the compiled step's form (each sums in its own order, so a near-tie can fall either way between two of
         them)."""
         step = "eager" if self.compiled is None else "static" if self.compiled.static else "runs"
-        build = f"-{kernels_build()}" if "rows" in (self.linears, self.attention) else ""
-        return f"{self.linears}-{self.attention}-{step}{build}-{self._platform()}"
+        return "-".join([self.linears, self.attention, step, *self.backend.numerics(), self._platform()])
 
     def _platform(self) -> str:
         """The rest of what picks the kernels that run, by its hash: the processor or GPU model, torch's and CUDA's
@@ -128,10 +128,6 @@ class TargetRuntime:
         from transformers.utils import import_utils
 
         parts = [processor(self.device.type), torch.__version__, str(torch.version.cuda)]
-        if self.device.type == "cuda":
-            backends = torch.backends.cuda
-            parts += [f"sdpa:{backends.flash_sdp_enabled()}{backends.mem_efficient_sdp_enabled()}"
-                      f"{backends.math_sdp_enabled()}{backends.cudnn_sdp_enabled()}"]
         if self.has_linear_layers:
             parts += [f"fla:{import_utils.is_flash_linear_attention_available()}",
                       f"conv1d:{import_utils.is_causal_conv1d_available()}"]
@@ -140,6 +136,10 @@ class TargetRuntime:
     @property
     def has_linear_layers(self) -> bool:
         return "linear_attention" in self.layer_types
+
+    def prepare_module(self, module: torch.nn.Module) -> None:
+        """A drafter's module, made to decode on the kernels this runtime's Linears take."""
+        self.backend.prepare_module(module)
 
     def alike(self, model: torch.nn.Module, identity=None) -> TargetRuntime:
         """A runtime for another model (a draft model) run as this one is: its length and compiled step."""
@@ -161,8 +161,8 @@ class TargetRuntime:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on pre-norm hidden states [1, T, D] -> float32 logits [T, V], the head's sums never
-        rounded to the model's dtype (`float_linear`)."""
-        logits = float_linear(self.model.lm_head, self.final_norm(h))[0]
+        rounded to the model's dtype (`Backend.logits`)."""
+        logits = self.backend.logits(self.model.lm_head, self.final_norm(h))[0]
         for watcher in self._watchers:
             watcher(logits)
         return logits
