@@ -1,11 +1,13 @@
 """Training on the real corpus with a tiny target: checkpoints round-trip, resume, and feed `spd-bench run`."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
+from harness.runtime import checkpoints
 from harness.training.corpus import conversations, encode
 
 
@@ -307,11 +309,44 @@ def test_train_on_the_targets_own_replies(tiny_dir, tmp_path, cache):  # noqa: F
 
     loaded = load_model(str(tiny_dir))
     config = TrainConfig(drafters=[], model=str(tiny_dir), tokens=128, seq_len=32, batch_size=2, corpus="self")
-    chunks = training_chunks(config, loaded, list(conversations()))
+    chunks = training_chunks(config, loaded, [(0, messages) for messages in conversations()])
     user = next(conversations())[0]
     expected = encode(loaded.tokenizer, [user, {"role": "assistant", "content": first["reply"]}], 4096).ids
     windows = [expected[start:start + 32] for start in range(0, len(expected) - 32, 32)]
     assert chunks[0].ids.tolist() in windows  # the stream opens with the first regenerated exchange
+
+
+def test_train_on_a_users_parquet_mixed_with_sharegpt(tiny_dir, tmp_path, cache):  # noqa: F811
+    """Fails on 90451cc (--corpus took only sharegpt or self): a local parquet of OpenAI-form records, mixed with
+    ShareGPT a conversation at a time, trains; its chunks hold the file's text and the record names the corpus."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from harness.runtime.models import load_model
+    from harness.training.train import TrainConfig, corpus_conversations, training_chunks
+
+    records = [{"messages": [{"role": "user", "content": f"Name a colour, please ({i})."},
+                             {"role": "assistant", "content": "Teal is a colour between green and blue. " * 4}]}
+               for i in range(40)]
+    path = tmp_path / "mine.parquet"
+    pq.write_table(pa.Table.from_pylist(records), path)
+    spec = f"{path},sharegpt"
+    vocab = tmp_path / "vocab.json"  # the reference's draft_vocab/*.json form
+    vocab.write_text(json.dumps({"vocab_size": 49152, "draft_vocab_size": 600, "token_ids": list(range(600))}))
+    args = ["train", "--model", str(tiny_dir), "--method", "eagle3", "--ttt", "1", "--seq-len", "32", "--batch-size",
+            "2", "--draft-vocab-file", str(vocab), "--val-prompts", "0", "--tokens", "128", "--corpus", spec]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "results" / tiny_dir.name / "train.jsonl").read_text().splitlines()[-1])
+    assert record["config"]["corpus"] == spec and f"--corpus {spec}" in record["command"]
+    folder = Path(result.output.strip().splitlines()[-1].removeprefix("checkpoint: "))
+    assert checkpoints.load_weights(folder)["draft_ids"].tolist() == list(range(600))
+    convs = corpus_conversations(spec)
+    assert [k for k, _ in convs[:4]] == [0, 1, 0, 1]
+    loaded = load_model(str(tiny_dir))
+    config = TrainConfig(drafters=[], model=str(tiny_dir), tokens=128, seq_len=32, batch_size=2, corpus=spec)
+    text = loaded.tokenizer.decode(training_chunks(config, loaded, convs)[0].ids)
+    assert "colour" in text
 
 
 def test_a_second_run_adds_drafters_beside_a_finished_one_without_touching_it(tiny_dir, tmp_path, cache):  # noqa: F811

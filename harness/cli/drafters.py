@@ -42,6 +42,17 @@ def _learning_rate(value: float) -> float:
     return value
 
 
+def _corpus(value: str) -> str:
+    """A --corpus spec, checked before any model loads (files exist, forms known)."""
+    from harness.training.sources import parse
+
+    try:
+        parse(value)
+    except HarnessError as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"--corpus {value}: "), param_hint="--corpus") from None
+    return value
+
+
 @main.command()
 @click.option("--method", "methods", default=FLAGSHIP, show_default=True,
               help="Drafter kinds, comma list of the trainable methods (all share the teacher passes).")
@@ -60,12 +71,18 @@ def _learning_rate(value: float) -> float:
               help="Share of the steps over which the learning rate rises linearly (then it decays to zero).")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
               help="Draft vocabulary size by corpus frequency (0: full vocabulary).")
+@click.option("--draft-vocab-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Take the draft vocabulary from a file instead: the reference's draft_vocab/*.json (its "
+                   "token_ids) or a JSON list of target ids.")
 @click.option("--save-every", type=click.IntRange(min=1), default=50, show_default=True, help="Steps between checkpoints.")
 @click.option("--val-prompts", type=click.IntRange(min=0), default=8, show_default=True,
               help="Held-out prompts decoded greedily once; validation replays decoding on them (0: text top-1 only).")
-@click.option("--corpus", type=click.Choice(["sharegpt", "self"]), default="sharegpt", show_default=True,
-              help="Train on ShareGPT's replies, or on the target's own greedy replies to ShareGPT first turns "
-                   "(generated once, cached).")
+@click.option("--corpus", default="sharegpt", show_default=True, callback=lambda ctx, param, value: _corpus(value),
+              help="What to train on, a comma list mixed a conversation at a time: sharegpt (the shipped ShareGPT "
+                   "replies), self (the target's own greedy replies to ShareGPT first turns, generated once, "
+                   "cached), a .jsonl/.json/.parquet file or a folder of them, a datasets save_to_disk folder, or "
+                   "a datasets NAME:SPLIT; records in ShareGPT (conversations: from/value) or OpenAI (messages: "
+                   "role/content) form.")
 @click.option("--autocast/--no-autocast", default=True, show_default=True,
               help="Train the drafters under bf16 autocast on a bf16 copy of their weights (fp32 master weights; "
                    "the teacher stays in its dtype).")
@@ -74,7 +91,7 @@ def _learning_rate(value: float) -> float:
 @device_option
 @dtype_option
 def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every,
-          val_prompts, corpus, autocast, resume, model, device, dtype, **named_values):
+          val_prompts, corpus, autocast, resume, model, device, dtype, draft_vocab_file, **named_values):
     """Distil drafters from the frozen target; one teacher pass feeds every drafter listed.
 
     \b
@@ -89,12 +106,14 @@ def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, lr, warmu
                      for key, text in named_values.items() if text is not None)
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, epochs=epochs, feature_cache=feature_cache,
                          seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup,
-                         draft_vocab=draft_vocab, save_every=save_every, val_prompts=val_prompts, corpus=corpus,
+                         draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, save_every=save_every,
+                         val_prompts=val_prompts, corpus=corpus,
                          autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --epochs {epochs} --seq-len {seq_len} --batch-size {batch_size} "
                                   f"--lr {lr} --warmup {warmup} "
                                   f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} "
+                                  + (f"--draft-vocab-file {draft_vocab_file} " if draft_vocab_file else "") +
                                   f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))
     for folder in run_training(config):

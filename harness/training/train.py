@@ -12,6 +12,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -24,7 +25,9 @@ from harness.runtime.errors import HarnessError
 from harness.runtime.models import LoadedModel, load_model, stop_ids
 from harness.runtime.results import ResultStore
 from harness.runtime.target import TargetRuntime
+from harness.training import sources
 from harness.training.corpus import conversations, encode
+from harness.training.draft_vocab import read_draft_vocab
 from harness.training.features import FeatureCache, draft_probabilities, teacher_pass
 from harness.training.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
 from harness.training.regenerate import self_distilled
@@ -45,7 +48,8 @@ class TrainConfig:
     warmup: float = 0.05  # fraction of steps
     clip: float = 1.0
     draft_vocab: int = 8192  # 0: the full vocabulary
-    corpus: str = "sharegpt"  # ShareGPT replies as written, or "self": the target's greedy replies (regenerate.py)
+    draft_vocab_file: str | None = None  # the ids from a file instead (draft_vocab.py: the reference's JSON)
+    corpus: str = "sharegpt"  # a --corpus spec (sources.py): sharegpt, self (regenerate.py), files, datasets, mixed
     reply_tokens: int = 256  # longest regenerated reply
     autocast: bool = True  # forward/backward on a bf16 copy under autocast (fp32 master weights); validation in fp32
     val_conversations: int = 64
@@ -256,11 +260,32 @@ def validate(trainer: DrafterTrainer, chunks: list[Chunk], features: list[dict],
             **({"decoding": decoding} if decoding else {})}
 
 
-def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[list[dict]]) -> list[Chunk]:
-    """The run's token budget in chunks, taken from the corpus in order (regenerated lazily for --corpus self)."""
+def corpus_conversations(spec: str) -> list[tuple[int, list[dict]]]:
+    """Every conversation `--corpus` names (harness/training/sources.py), mixed in the stated order, each tagged
+    with the index of its source."""
+    chosen = sources.parse(spec)
+    sharegpt = list(conversations()) if any(s.kind in sources.BUILT_IN for s in chosen) else []
+    tagged = list(sources.mixed([_tagged(i, sources.conversations(s, sharegpt)) for i, s in enumerate(chosen)]))
+    if not tagged:
+        raise HarnessError(f"--corpus {spec}: no conversation with an assistant reply in it; give conversations "
+                           f"in ShareGPT (from/value) or OpenAI (role/content) form")
+    return tagged
+
+
+def _tagged(index: int, stream) -> Iterator[tuple[int, list[dict]]]:
+    return ((index, messages) for messages in stream)
+
+
+def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[tuple[int, list[dict]]]) -> list[Chunk]:
+    """The run's token budget in chunks, taken from the corpus's sources in their mixed order (a `self` source's
+    conversations regenerated lazily: the target's replies to their first turns)."""
     needed = config.steps_per_epoch * config.batch_size
-    source = iter(convs) if config.corpus == "sharegpt" else \
-        self_distilled(loaded, convs, config.reply_tokens, stop_ids(loaded))
+    streams = []
+    for index, source in enumerate(sources.parse(config.corpus)):
+        own = [messages for k, messages in convs if k == index]
+        streams.append(self_distilled(loaded, own, config.reply_tokens, stop_ids(loaded)) if source.kind == "self"
+                       else iter(own))
+    source = sources.mixed(streams)
     chunks: list[Chunk] = []
     while group := list(islice(source, 64)):
         chunks += _chunks(loaded, group, config.seq_len)
@@ -291,16 +316,19 @@ class Run:
 def prepare(config: TrainConfig) -> Run:
     """Load the target, chunk the corpus (its last `val_conversations` held out), build the draft vocabulary (a
     resumed run's own) and a trainer per drafter."""
+    convs = corpus_conversations(config.corpus)  # a bad corpus stops before the target loads
     loaded = load_model(config.model, config.device, config.dtype)
     for spec in config.drafters:
         check_fit(spec.method, spec.params, len(loaded.model.model.layers))
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
-    convs = list(conversations())
-    held_out, train_convs = convs[-config.val_conversations:], convs[:-config.val_conversations]
+    held = min(config.val_conversations, len(convs) // 4)  # a small corpus of the user's keeps most to train on
+    held_out, train_convs = [m for _, m in convs[len(convs) - held:]], convs[:len(convs) - held]
     chunks = training_chunks(config, loaded, train_convs)
     draft_ids = _saved_draft_ids(target, config) if config.resume else None
+    if draft_ids is None and config.draft_vocab_file:
+        draft_ids = read_draft_vocab(Path(config.draft_vocab_file), target.config.vocab_size)
     if draft_ids is None:
-        draft_ids = draft_vocabulary(loaded, train_convs, chunks, config.draft_vocab)
+        draft_ids = draft_vocabulary(loaded, [m for _, m in train_convs], chunks, config.draft_vocab)
     trainers = [DrafterTrainer(spec, config, target, draft_ids) for spec in config.drafters]
     return Run(loaded, target, chunks, held_out, draft_ids, trainers)
 
@@ -325,7 +353,8 @@ def train(config: TrainConfig) -> list[Path]:
     start, start_steps = min(t.step for t in trainers), {id(t): t.step for t in trainers}
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True)
-    cache = FeatureCache(target, config.corpus, config.seq_len, run.layers, draft_ids, store=config.feature_cache)
+    cache = FeatureCache(target, sources.key(sources.parse(config.corpus)), config.seq_len, run.layers, draft_ids,
+                         store=config.feature_cache)
     began = time.perf_counter()
     for step in range(start, config.steps):
         tokens, postfix = _step(run, config, cache, step)
