@@ -55,16 +55,24 @@ class _Rerun:
 
 
 class _Recorded:
-    """One layer's graph in one shape, and the addresses of the weights it was recorded on."""
+    """One layer's graph in one shape, and where the weights and buffers it was recorded on lived."""
 
     def __init__(self, graph, layer: torch.nn.Module):
-        self.graph, self.weights = graph, _addresses(layer)
+        self.graph = graph
         self.layer = layer  # kept, so its id names it while the graph lives
+        # Each weight's slot, found once (walking the modules at every call costs more than the check itself).
+        self._slots = [(tensors, name) for module in layer.modules()
+                       for tensors in (module._parameters, module._buffers)
+                       for name, tensor in tensors.items() if tensor is not None]
+        self._addresses = self._now()
 
+    def _now(self) -> tuple[int, ...]:
+        return tuple(tensors[name].data_ptr() if tensors.get(name) is not None else 0 for tensors, name in self._slots)
 
-def _addresses(layer: torch.nn.Module) -> tuple[int, ...]:
-    """Where a layer's weights and buffers are now: what a graph recorded on it reads."""
-    return tuple(t.data_ptr() for t in (*layer.parameters(), *layer.buffers()))
+    def current(self) -> bool:
+        """Whether the layer still holds its weights where the graph reads them (a replaced Parameter, `.data = `
+        or a load with assign=True moves one)."""
+        return self._now() == self._addresses
 
 
 class GraphedCalls:
@@ -88,7 +96,7 @@ class GraphedCalls:
                   for key, value in zip(form, leaves)]
         key = (id(layer), form, cache.keys.data_ptr(), cache.values.data_ptr())
         recorded = self._recorded.get(key)
-        if recorded is None or recorded.weights != _addresses(layer):
+        if recorded is None or not recorded.current():
             recorded = self._recorded[key] = self._record(step, layer, pytree.tree_unflatten(static, spec), cache)
         recorded.graph.replay()  # (a capture itself computes nothing)
         return recorded.graph.out.clone()  # the pool is written by the next replay
