@@ -12,14 +12,10 @@ sliding window, attention sinks, a batch's own masks, another dtype or device) t
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
-from harness.runtime.grouped_attention import NAME as GROUPED
+from harness.runtime.grouped_attention import NAME as GROUPED, register
 from harness.runtime.kernels import rows_kernel_problem
 
 NAME = "spd_rows"
@@ -38,15 +34,9 @@ def use_rows_attention(model: torch.nn.Module) -> str:
     windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     if current != "sdpa" or head_dim % 8 or dtype not in DTYPES or windowed or rows_kernel_problem() is not None:
         return current
-    _register()
+    register(NAME, rows_attention)
     model.set_attn_implementation(NAME)
     return "rows" if config._attn_implementation == NAME else current
-
-
-@functools.cache
-def _register() -> None:
-    AttentionInterface.register(NAME, rows_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def rows_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

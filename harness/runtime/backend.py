@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from harness.runtime.grouped_attention import use_grouped_attention
+from harness.runtime.kernels import float_linear
 
 
 @dataclass(frozen=True)
@@ -34,20 +34,16 @@ class Backend:
     def prepare(self, model: torch.nn.Module) -> Prepared:
         """Points the model's attention (and, in a backend with kernels of its own, its Linears) at what serves
         them; returns what does."""
-        attention = model.config.get_text_config()._attn_implementation
-        return Prepared("default", use_grouped_attention(model) if attention == "sdpa" else attention)
+        return Prepared("default", use_grouped_attention(model))  # another than sdpa stays as it is
 
     def prepare_module(self, module: torch.nn.Module) -> None:
         """A drafter's module, to decode on the kernels the target's Linears take (training keeps the plain path)."""
 
     def logits(self, head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The LM head's outputs in fp32, whatever its weights' dtype: logits as the reference decodes from them
-        (bf16 logits round near-ties into exact ties the fp32 sums do not have). torch's CPU path takes the weight
-        in fp32 for the call."""
-        if head.weight.dtype == torch.float32:
-            return head(x)
-        out = F.linear(x.float(), head.weight.float())
-        return out if head.bias is None else out + head.bias.float()
+        (bf16 logits round near-ties into exact ties the fp32 sums do not have): `kernels.float_linear`, which
+        also takes a packed head's own fp32 sums."""
+        return float_linear(head, x)
 
     def numerics(self) -> list[str]:
         """What else of the backend decides its sums (a kernel build, the kernels a device may take)."""

@@ -9,7 +9,7 @@ import torch
 from harness.runtime.attention import use_rows_attention
 from harness.runtime.backend import Backend, Prepared
 from harness.runtime.grouped_attention import use_grouped_attention
-from harness.runtime.kernels import float_linear, kernels_build, pack_linears, rows_kernel_problem
+from harness.runtime.kernels import kernels_build, pack_linears, rows_kernel_problem
 
 
 class RowKernels(Backend):
@@ -22,13 +22,10 @@ class RowKernels(Backend):
 
     def prepare(self, model: torch.nn.Module) -> Prepared:
         linears, attention = pack_linears(model), use_rows_attention(model)
-        return Prepared(linears, use_grouped_attention(model) if attention == "sdpa" else attention)
+        return Prepared(linears, attention if attention == "rows" else use_grouped_attention(model))
 
     def prepare_module(self, module: torch.nn.Module) -> None:
         pack_linears(module)
-
-    def logits(self, head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return float_linear(head, x)  # a packed head's own fp32 sums
 
     def numerics(self) -> list[str]:
         return [f"rows:{kernels_build()}"]

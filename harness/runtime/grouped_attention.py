@@ -35,15 +35,17 @@ def use_grouped_attention(model: torch.nn.Module) -> str:
         return "sdpa_grouped"
     if config._attn_implementation != "sdpa":
         return config._attn_implementation
-    _register()
+    register(NAME, grouped_attention)
     model.set_attn_implementation(NAME)
     return "sdpa_grouped" if config._attn_implementation == NAME else config._attn_implementation
 
 
 @functools.cache
-def _register() -> None:
-    AttentionInterface.register(NAME, grouped_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+def register(name: str, function) -> None:
+    """One of the project's attention functions made known to HF under `name`, once, its masks built as for sdpa
+    (the row attention registers through here too)."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
