@@ -156,7 +156,8 @@ class DrafterKind(Protocol):
 
     def initialise(self, module, target): ...
 
-    def predictions(self, module, features: dict, ids: torch.Tensor, rng: random.Random, validating: bool = False
-                    ) -> list[Prediction]: ...  # validating: the kind's held-out view (no training-time sampling)
+    def predictions(self, module, features: dict, ids: torch.Tensor, rngs: list[random.Random],
+                    validating: bool = False) -> list[Prediction]: ...
+    # rngs: one generator per row (training-time draws); validating: the kind's held-out view (no such draws)
 
     def replay(self, module, teacher, max_new_tokens: int, stop_ids: set[int]): ...

@@ -179,7 +179,7 @@ def test_float32_drafters_train_on_a_bfloat16_target(kind):
         ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             features, _, _ = teacher_pass(target, ids, module.config.all_feature_layers())
-        predictions = spec.predictions(module, features, ids, random.Random(0))
+        predictions = spec.predictions(module, features, ids, [random.Random(row) for row in range(2)])
         sum(p.logits.logsumexp(-1).mean() for p in predictions).backward()
     assert all(p.logits.dtype == torch.float32 for p in predictions)
     assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
@@ -198,7 +198,7 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
     from harness.runtime.models import ModelIdentity
     from harness.runtime.target import TargetRuntime
     from harness.training.features import draft_probabilities, teacher_pass
-    from harness.training.train import DrafterTrainer, TrainConfig, _cross_entropy
+    from harness.training.train import DrafterTrainer, TrainConfig, _aligned, _cross_entropy
     from methods.eagle3.objective import EagleSpec
     from methods.pipeline.objective import PipelineSpec
 
@@ -216,10 +216,11 @@ def test_the_bf16_working_copy_computes_autocasts_gradient(kind, cache):
         with torch.no_grad():
             features, final, lse = teacher_pass(target, ids, reference.config.all_feature_layers())
             p_draft = draft_probabilities(target, final, lse, None)
-        trainer.train_step(features, ids, p_draft, mask, random.Random(0))
+        trainer.train_step(features, ids, p_draft, mask, [random.Random(row) for row in range(2)])
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            predictions = spec.predictions(reference, features, ids, random.Random(0))
-        sum(p.weight * _cross_entropy(p, p_draft, mask) for p in predictions).backward()
+            predictions = spec.predictions(reference, features, ids, [random.Random(row) for row in range(2)])
+        sum(p.weight * _cross_entropy(p, p_draft, mask, _aligned(p, p_draft, mask)[1].sum())
+            for p in predictions).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip)
     pairs = [(ours.grad, theirs.grad) for ours, theirs in zip(trainer.module.parameters(), reference.parameters())
              if theirs.grad is not None]

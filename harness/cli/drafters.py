@@ -64,7 +64,14 @@ def _corpus(value: str) -> str:
 @click.option("--feature-cache/--no-feature-cache", default=True, show_default=True,
               help="Keep the teacher's outputs in the cache (features/), reused by later epochs and runs.")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Chunks per rank and step (under torchrun the global batch is this times the ranks).")
+@click.option("--global-batch", type=click.IntRange(min=1), default=None,
+              help="Chunks per step over all ranks instead (it must divide over them); a resumed run keeps its "
+                   "own, so it continues to the same schedule on any number of ranks.")
+@click.option("--timeout", type=float, default=1800.0, show_default=True,
+              help="Under torchrun: seconds a rank may wait for another (a killed or stuck rank ends every rank "
+                   "within it, in one line); rank 0 validates meanwhile, so it must exceed a validation.")
 @click.option("--lr", type=float, default=1e-4, show_default=True, callback=lambda ctx, param, value: _learning_rate(value),
               help="Peak learning rate (AdamW), a finite number above 0.")
 @click.option("--warmup", type=click.FloatRange(0, 1), default=0.05, show_default=True,
@@ -90,13 +97,16 @@ def _corpus(value: str) -> str:
 @model_option
 @device_option
 @dtype_option
-def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, lr, warmup, draft_vocab, save_every,
-          val_prompts, corpus, autocast, resume, model, device, dtype, draft_vocab_file, **named_values):
-    """Distil drafters from the frozen target; one teacher pass feeds every drafter listed.
+def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, global_batch, timeout, lr, warmup,
+          draft_vocab, save_every, val_prompts, corpus, autocast, resume, model, device, dtype, draft_vocab_file,
+          **named_values):
+    """Distil drafters from the frozen target; one teacher pass feeds every drafter listed. Runs unchanged under
+    torchrun, data-parallel: every rank takes its share of each global batch.
 
     \b
-    Example:
+    Examples:
       spd-bench train --method spd --n 8 --ls 4 --tokens 300000 --corpus self
+      torchrun --nproc-per-node 8 -m harness.cli train --method eagle3 --ttt 7 --corpus train.parquet --device cuda
     """
     from harness.training.train import TrainConfig
     from harness.training.train import train as run_training
@@ -105,12 +115,14 @@ def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, lr, warmu
     shape = " ".join(f"--{key.removesuffix('_values').replace('_', '-')} {text}"
                      for key, text in named_values.items() if text is not None)
     config = TrainConfig(drafters=specs, model=model, tokens=tokens, epochs=epochs, feature_cache=feature_cache,
-                         seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup,
+                         seq_len=seq_len, batch_size=batch_size, global_batch=global_batch or 0,
+                         timeout=timeout, lr=lr, warmup=warmup,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, save_every=save_every,
                          val_prompts=val_prompts, corpus=corpus,
                          autocast=autocast, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --epochs {epochs} --seq-len {seq_len} --batch-size {batch_size} "
+                                  + (f"--global-batch {global_batch} " if global_batch else "") +
                                   f"--lr {lr} --warmup {warmup} "
                                   f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} "
                                   + (f"--draft-vocab-file {draft_vocab_file} " if draft_vocab_file else "") +

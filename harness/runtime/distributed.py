@@ -285,7 +285,7 @@ def stage_group(model: str, driver_device: str, devices: list[str], timeout_s: f
         if int(os.environ["WORLD_SIZE"]) != world:
             raise HarnessError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; this run needs {world} (one driver "
                                f"and {len(devices)} served)")
-        store = _torchrun_store(0, join_timeout_s)
+        store = torchrun_store(0, join_timeout_s)
     else:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=join_timeout_s))
@@ -323,7 +323,7 @@ def _stop(processes: list, grace_s: float = 0) -> None:
 
 
 # --- a served rank's side -------------------------------------------------------------------------------------------
-def _torchrun_store(rank: int, join_timeout_s: float) -> dist.Store:
+def torchrun_store(rank: int, join_timeout_s: float) -> dist.Store:
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, timeout=timedelta(seconds=join_timeout_s)))
     except (RuntimeError, ValueError, dist.DistError) as exc:
@@ -399,5 +399,5 @@ def serve_from_env(devices: list[str], driver_device: str, timeout_s: float, joi
     check_deadline("--join-timeout", join_timeout_s, SHORTEST_START_S)
     check_device(devices[rank - 1], "--devices", here=True)
     _serve(rank, devices[rank - 1], backend_for(driver_device, devices, ranks_per_node()),
-           lambda: _torchrun_store(rank, join_timeout_s),
+           lambda: torchrun_store(rank, join_timeout_s),
            world, timeout_s, join_timeout_s)

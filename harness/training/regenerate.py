@@ -25,6 +25,7 @@ from harness.runtime.models import LoadedModel
 from harness.runtime.paths import cache_dir
 from harness.runtime.results import append_line
 from harness.training.corpus import prompt_ids
+from harness.training.ranks import Ranks
 
 BATCH = 32  # prompts generated together: 175-196 target tokens/s in bf16 on 2 cores (batch 32-64) vs 84-89 in fp32
 MAX_PROMPT = 256  # longer first turns are skipped: their tokens cost teacher time and carry no loss
@@ -35,23 +36,31 @@ def replies_path(loaded: LoadedModel, reply_tokens: int, max_prompt: int) -> Pat
 
 
 def self_distilled(loaded: LoadedModel, convs: Iterable[list[dict]], reply_tokens: int, stop: set[int],
-                   max_prompt: int = MAX_PROMPT) -> Iterator[list[dict]]:
+                   max_prompt: int = MAX_PROMPT, ranks: Ranks = Ranks()) -> Iterator[list[dict]]:
     """[user, assistant] conversations, in corpus order, for every first turn of at most `max_prompt` tokens,
-    the assistant message being the target's greedy reply of at most `reply_tokens` tokens."""
+    the assistant message being the target's greedy reply of at most `reply_tokens` tokens. The replies still
+    missing are shared out over the ranks a batch each; rank 0 merges them into the one file, each once."""
     path = replies_path(loaded, reply_tokens, max_prompt)
-    cached = _read(path)
+    cached = ranks.from_lead(_read(path) if ranks.lead else None)  # every rank sees rank 0's file
     prompts = ((index, messages[:1]) for index, messages in enumerate(convs))
     prompts = ((index, turn) for index, turn in prompts if len(prompt_ids(loaded.tokenizer, turn)) <= max_prompt)
     generator, bar = None, None
-    while batch := list(islice(prompts, BATCH)):
+    while batch := list(islice(prompts, BATCH * ranks.world)):
         missing = [(index, turn) for index, turn in batch if cached.get(index, (None, None))[0] != _sha(turn)]
         if missing:
-            if generator is None:
-                generator = _generation_model(loaded)
-                bar = tqdm(unit="tok", desc="regenerate replies", dynamic_ncols=True)
-            for (index, turn), reply in zip(missing, _generate(generator, loaded, missing, reply_tokens, stop, bar)):
-                append_line(path, {"conversation": index, "prompt_sha256": _sha(turn), "reply": reply})
-                cached[index] = (_sha(turn), reply)
+            mine, replies = missing[ranks.rank::ranks.world], []
+            if mine:
+                if generator is None:
+                    generator = _generation_model(loaded)
+                    bar = tqdm(unit="tok", desc="regenerate replies", dynamic_ncols=True, disable=not ranks.lead)
+                replies = _generate(generator, loaded, mine, reply_tokens, stop, bar)
+            turns = dict(missing)
+            for part in ranks.gather([(index, reply) for (index, _), reply in zip(mine, replies)]):
+                for index, reply in part:
+                    if ranks.lead:
+                        append_line(path, {"conversation": index, "prompt_sha256": _sha(turns[index]),
+                                           "reply": reply})
+                    cached[index] = (_sha(turns[index]), reply)
         for index, turn in batch:
             if cached[index][1].strip():  # a reply that ends at once teaches nothing
                 yield [turn[0], {"role": "assistant", "content": cached[index][1]}]

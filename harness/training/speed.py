@@ -9,7 +9,6 @@ drafter trained alone on fresh tokens runs at 1 / (1/teacher + 1/drafter) tokens
 
 from __future__ import annotations
 
-import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -56,7 +55,6 @@ def bench_train(config: TrainConfig, timed_steps: int) -> list[TrainBench]:
     loaded, target, chunks, draft_ids, trainers, layers = (run.loaded, run.target, run.chunks, run.draft_ids,
                                                            run.trainers, run.layers)
     teacher_s, read_s, drafter_s = 0.0, 0.0, [0.0] * len(trainers)
-    rng = random.Random(config.seed)
     with tempfile.TemporaryDirectory(prefix="spd-bench-features-") as scratch:
         cache = FeatureCache(target, config.corpus, config.seq_len, layers, draft_ids, root=Path(scratch))
         for step in tqdm(range(timed_steps + 1), desc="bench train", unit="batch", dynamic_ncols=True):
@@ -72,7 +70,7 @@ def bench_train(config: TrainConfig, timed_steps: int) -> list[TrainBench]:
                 read_s += (time.perf_counter() - computed) * (step > 0)
             for position, trainer in enumerate(trainers):
                 began = time.perf_counter()
-                trainer.train_step(taught.features, ids, taught.p_draft, mask, rng)
+                trainer.train_step(taught.features, ids, taught.p_draft, mask, config.row_rngs(step, range(len(index))))
                 drafter_s[position] += (time.perf_counter() - began) * (step > 0)
     tokens = timed_steps * config.batch_size * config.seq_len
     teacher_rate = _rate(tokens, teacher_s)

@@ -50,7 +50,7 @@ class EagleSpec:
         with its residual branches at zero."""
         return module.start_as_identity()
 
-    def predictions(self, module: EagleHead, features: dict, ids: torch.Tensor, rng: random.Random,
+    def predictions(self, module: EagleHead, features: dict, ids: torch.Tensor, rngs: list[random.Random],
                     validating: bool = False) -> list[Prediction]:
         size = ids.shape[1]
         steps = ttt_logits(module, features, ids, min(self.ttt, size - 1))

@@ -81,14 +81,14 @@ class PipelineSpec:
         as copies of the target's last Ls layers (measured better on the embedded model, README)."""
         return module.start_from_target(target) if self.init == "target" else module.start_as_identity()
 
-    def predictions(self, module: Speculator, features: dict, ids: torch.Tensor, rng: random.Random,
+    def predictions(self, module: Speculator, features: dict, ids: torch.Tensor, rngs: list[random.Random],
                     validating: bool = False) -> list[Prediction]:
-        """Half the sequences (by `partial_fill`) simulate a pipeline refilling after prefill or a flush; validation
-        takes them all that way, so every fill level is measured."""
+        """Half the sequences (by `partial_fill`, each drawn from its row's generator) simulate a pipeline refilling
+        after prefill or a flush; validation takes them all that way, so every fill level is measured."""
         partial_fill = 1.0 if validating else self.partial_fill
         size = ids.shape[1]
         starts = torch.stack([segment_starts(size, self.n, rng.random() < partial_fill, rng)
-                              for _ in range(ids.shape[0])]).to(ids.device)
+                              for rng in rngs]).to(ids.device)
         return [Prediction(grouped_logits(module, features, starts), 0, 1.0, fill_levels(starts, self.n))]
 
     def replay(self, module: Speculator, teacher, max_new_tokens: int, stop_ids: set[int]) -> Generation:
