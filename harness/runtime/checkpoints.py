@@ -26,6 +26,14 @@ def drafter_dir(identity, method: str, tag: str) -> Path:
     return cache_dir() / "drafters" / identity.slug / f"{method}-{tag}"
 
 
+def recover(folder: Path) -> None:
+    """Put back the previous checkpoint when a run was killed between `save`'s two renames (no folder, its .old
+    beside it), so the last checkpoint is never lost."""
+    old = folder.with_name(f".{folder.name}.old")
+    if not folder.exists() and old.exists():
+        os.replace(old, folder)
+
+
 def save(folder: Path, module: torch.nn.Module, config: dict, extra: dict[str, torch.Tensor] | None = None) -> None:
     """Write weights (+ optional extra tensors, e.g. optimizer state) and config atomically (temp dir + rename)."""
     folder.parent.mkdir(parents=True, exist_ok=True)

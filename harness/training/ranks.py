@@ -30,6 +30,7 @@ from harness.runtime.distributed import check_deadline, join_group, torchrun_sto
 from harness.runtime.errors import HarnessError, first_line
 
 PREFIX = "spd-bench/train"
+GONE, STOPPED = "is gone (killed or exited)", "is stopped"
 
 
 class Quiet(SystemExit):
@@ -162,6 +163,9 @@ class Ranks:
             except (RuntimeError, dist.DistError, ValueError):
                 return None  # the store itself is gone (its host died): nothing more to tell
             state = _process_state(int(pid)) if host == socket.gethostname() else None
+            if state == STOPPED:  # it can never answer, and would hold its memory until the launcher's grace ends
+                os.kill(int(pid), signal.SIGKILL)
+                state += ", so this rank ended it"
             if state:
                 lines.append(f"rank {rank} (pid {pid}) {state}")
             elif at < self.step:
@@ -179,10 +183,10 @@ def _process_state(pid: int) -> str | None:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):
-        return "is gone (killed or exited)"
+        return GONE
     except OSError:
         return None
-    return {"T": "is stopped", "t": "is stopped", "Z": "is gone (killed or exited)"}.get(state)
+    return {"T": STOPPED, "t": STOPPED, "Z": GONE}.get(state)
 
 
 def _short(value, limit: int = 60) -> str:

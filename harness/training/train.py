@@ -34,7 +34,7 @@ from harness.training.corpus import conversations, encode
 from harness.training.draft_vocab import read_draft_vocab
 from harness.training.features import FeatureCache, draft_probabilities, teacher_pass
 from harness.training.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
-from harness.training.ranks import Quiet, Ranks, join, rank_device
+from harness.training.ranks import Ranks, join, rank_device
 from harness.training.regenerate import self_distilled
 from methods.base import check_fit
 from methods.draft_module import DrafterKind
@@ -260,6 +260,8 @@ class DrafterTrainer:
         """Continue from this drafter's checkpoint, if it has one: rank 0 reads it and every rank takes rank 0's
         (a rank on another host need not see rank 0's disk)."""
         saved = None
+        if self.ranks.lead:
+            checkpoints.recover(self.folder)
         if self.ranks.lead and (self.folder / checkpoints.CONFIG).exists():
             train = checkpoints.load_config(self.folder)["train"]
             saved = {"weights": checkpoints.load_weights(self.folder),
@@ -400,7 +402,7 @@ def prepare(config: TrainConfig, ranks: Ranks = Ranks()) -> Run:
     before anything is written."""
     convs = ranks.together(lambda: corpus_conversations(config.corpus))  # before the target loads
     loaded = ranks.together(lambda: _loaded(config))
-    ranks.agree({"options": {k: v for k, v in _config_dict(config).items() if k not in ("device", "command")},
+    ranks.agree({**{k: v for k, v in _config_dict(config).items() if k not in ("device", "command")},
                  "weights sha256": loaded.identity.weights_sha256})
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
     ranks.verdict(_existing_checkpoint(target, config) if ranks.lead else None)
@@ -453,12 +455,6 @@ def train(config: TrainConfig) -> list[Path]:
     ranks = join(config.timeout, config.device)
     try:
         return _train(replace(config, device=rank_device(config.device)), ranks)
-    except Quiet:
-        raise
-    except HarnessError:
-        if ranks.lead:
-            raise
-        raise Quiet() from None
     finally:
         ranks.leave()
 
@@ -483,20 +479,20 @@ def _train(config: TrainConfig, ranks: Ranks) -> list[Path]:
     cache = FeatureCache(target, sources.key(sources.parse(config.corpus)), config.seq_len, run.layers, draft_ids,
                          store=config.feature_cache)
     began = time.perf_counter()
-    for step in range(start, config.steps):
-        tokens, postfix = _step(run, config, cache, step)
-        done = step + 1
-        bar.set_postfix(tok_s=f"{(done - start) * tokens / (time.perf_counter() - began):.0f}",
-                        epoch=step // config.steps_per_epoch + 1, cached=cache.read, **postfix)
-        bar.update()
-        if ranks.lead and (done % config.save_every == 0 or done == config.steps):
-            trained = [t for t in trainers if t.step == done and done > start_steps[id(t)]]  # not one resumed done
-            for trainer in trained:
-                trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids, trajectories)
-                trainer.curve.append({"step": trainer.step, "tokens": trainer.tokens, **trainer.validation})
-                trainer.save({"config": _config_dict(config)})
-            bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
-    bar.close()
+    with bar:  # closed before any error line, which then starts a line of its own
+        for step in range(start, config.steps):
+            tokens, postfix = _step(run, config, cache, step)
+            done = step + 1
+            bar.set_postfix(tok_s=f"{(done - start) * tokens / (time.perf_counter() - began):.0f}",
+                            epoch=step // config.steps_per_epoch + 1, cached=cache.read, **postfix)
+            bar.update()
+            if ranks.lead and (done % config.save_every == 0 or done == config.steps):
+                trained = [t for t in trainers if t.step == done and done > start_steps[id(t)]]  # not resumed done
+                for trainer in trained:
+                    trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids, trajectories)
+                    trainer.curve.append({"step": trainer.step, "tokens": trainer.tokens, **trainer.validation})
+                    trainer.save({"config": _config_dict(config)})
+                bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
     if not ranks.lead:
         return []
     _record(run.loaded, config, [t for t in trainers if t.step > start_steps[id(t)]], ranks.world)
@@ -536,6 +532,7 @@ def _saved_run(target: TargetRuntime, config: TrainConfig) -> dict | None:
     of its schedule (a checkpoint from before data-parallel training: its one process's batch)."""
     for spec in config.drafters:
         folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
+        checkpoints.recover(folder)
         if (folder / checkpoints.WEIGHTS).exists():
             ids = checkpoints.load_weights(folder)["draft_ids"]
             saved = checkpoints.load_config(folder)["train"].get("config", {})
