@@ -202,3 +202,24 @@ def test_a_global_batch_must_divide_over_the_ranks():
         for_ranks(TrainConfig(drafters=[]), Ranks(world=3), 4)
     with pytest.raises(HarnessError, match="differs from the resumed run's 4"):
         for_ranks(TrainConfig(drafters=[], global_batch=8), Ranks(world=2), 4)
+
+
+def test_bench_train_reports_each_rank_and_the_scaling_over_one_process(tiny_dir, tmp_path, monkeypatch):
+    """1 process x batch 2 then 2 ranks x batch 1 into one records file: the second reports both ranks, the global
+    batch's total and its ratio to the first."""
+    out = tmp_path / "train.jsonl"
+    args = ["bench", "train", "--model", str(tiny_dir), "--method", "spd", "--n", "2", "--ls", "1", "--seq-len", "32",
+            "--steps", "2", "--out", str(out)]
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "cache"))
+    alone = CliRunner().invoke(main, [*args, "--batch-size", "2"])
+    assert alone.exit_code == 0, alone.output
+    ranks = _torchrun([*args, "--batch-size", "1"], tmp_path / "cache", tmp_path)
+    output = ranks.communicate(timeout=600)[0]
+    assert ranks.returncode == 0, output[-3000:]
+    one, two = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (one["world_size"], two["world_size"], one["global_batch"], two["global_batch"]) == (1, 2, 2, 2)
+    assert two["threads"] == 1 and len(two["rank_tokens_s"]) == 2 and all(x > 0 for x in two["rank_tokens_s"])
+    assert two["total_tokens_s"] <= 2 * max(two["rank_tokens_s"])
+    row = next(line for line in output.splitlines() if line.startswith("spd-n2-ls1-input"))
+    assert row.split()[1:4] == ["2", "x", "1"]
+    assert row.split()[-1] == f"{two['total_tokens_s'] / one['total_tokens_s']:.2f}x"

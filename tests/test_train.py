@@ -244,6 +244,8 @@ def test_bench_train_times_the_teacher_and_each_drafter(tiny_dir, tmp_path, cach
         assert r["teacher_tokens_s"] > 0 and r["drafter_tokens_s"] > 0 and r["read_tokens_s"] > 0
         assert r["alone_tokens_s"] < min(r["teacher_tokens_s"], r["drafter_tokens_s"])
         assert r["cached_tokens_s"] < min(r["read_tokens_s"], r["drafter_tokens_s"])
+        assert (r["world_size"], r["global_batch"], len(r["rank_tokens_s"])) == (1, 2, 1)
+        assert r["total_tokens_s"] == r["rank_tokens_s"][0] < r["alone_tokens_s"]  # both drafters on one teacher
 
 
 def test_shipped_drafter_is_found_after_the_cache_and_checked(tiny_dir, eval_dir, tmp_path, cache, monkeypatch):  # noqa: F811

@@ -163,12 +163,15 @@ def bench_dispatch_command(configurations, model, dataset, prompts, max_new_toke
 @dtype_option
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench/train.jsonl"), show_default=True)
 def bench_train_command(methods, seq_len, batch_size, steps, model, device, dtype, out, **named_values):
-    """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches.
+    """Training throughput per drafter kind: teacher and drafter target tokens/s on corpus batches; under torchrun
+    per rank and in total, with the scaling over a one-process record of the same global batch in --out.
 
     \b
-    Example:
+    Examples:
       spd-bench bench train --method spd --n 8 --ls 4 --steps 3
+      torchrun --nproc-per-node 2 -m harness.cli bench train --method spd --n 8 --ls 4 --batch-size 2
     """
+    from harness.runtime.results import ResultStore
     from harness.training import speed as bench_train
     from harness.training.train import TrainConfig
 
@@ -176,8 +179,11 @@ def bench_train_command(methods, seq_len, batch_size, steps, model, device, dtyp
     config = TrainConfig(drafters=specs, model=model, seq_len=seq_len, batch_size=batch_size, device=device,
                          dtype=dtype, val_prompts=0)
     results = bench_train.bench_train(config, steps)
+    if not results:  # a rank other than 0 under torchrun: rank 0 records and reports
+        return
+    earlier = ResultStore(out).load() if out.exists() else []
     bench_train.record(results, out)
-    click.echo(bench_train.table(results))
+    click.echo(bench_train.table(results, earlier))
     click.echo(f"records: {out}")
 
 

@@ -396,16 +396,17 @@ class Run:
         return tuple(sorted({layer for t in self.trainers for layer in t.module.config.all_feature_layers()}))
 
 
-def prepare(config: TrainConfig, ranks: Ranks = Ranks()) -> Run:
+def prepare(config: TrainConfig, ranks: Ranks = Ranks(), training: bool = True) -> Run:
     """Load the target, chunk the corpus (its last `val_conversations` held out), build the draft vocabulary (a
     resumed run's own) and a trainer per drafter; every rank checks the same inputs and a bad one stops them all
-    before anything is written."""
+    before anything is written. `training`: the checkpoints will be written (a timing run writes none), so a
+    finished one is refused unless resumed."""
     convs = ranks.together(lambda: corpus_conversations(config.corpus))  # before the target loads
     loaded = ranks.together(lambda: _loaded(config))
     ranks.agree({**{k: v for k, v in _config_dict(config).items() if k not in ("device", "command")},
                  "weights sha256": loaded.identity.weights_sha256})
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
-    ranks.verdict(_existing_checkpoint(target, config) if ranks.lead else None)
+    ranks.verdict(_existing_checkpoint(target, config) if ranks.lead and training else None)
     saved = ranks.from_lead(_saved_run(target, config) if config.resume and ranks.lead else None) or {}
     config = ranks.together(lambda: for_ranks(config, ranks, saved.get("global_batch")))
     held = min(config.val_conversations, len(convs) // 4)  # a small corpus of the user's keeps most to train on
