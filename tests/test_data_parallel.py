@@ -223,3 +223,66 @@ def test_bench_train_reports_each_rank_and_the_scaling_over_one_process(tiny_dir
     row = next(line for line in output.splitlines() if line.startswith("spd-n2-ls1-input"))
     assert row.split()[1:4] == ["2", "x", "1"]
     assert row.split()[-1] == f"{two['total_tokens_s'] / one['total_tokens_s']:.2f}x"
+
+
+def test_an_offline_teacher_trains_on_prepared_features_alone(tiny_dir, tmp_path, monkeypatch):
+    """`--prepare-features` in one process, then 2 ranks train with `--teacher offline` (rank 1 holding only the
+    target's embedding, norm, head and first layer): the weights one process trains online on the same cached
+    features. The cache costs what the layers read say per token; an offline run with no features stops in one
+    line, writing nothing."""
+    from harness.training.features import bytes_per_token
+
+    args = ["train", "--method", "spd,eagle3", "--n", "2", "--ls", "1", "--ttt", "3", "--seq-len", "32",
+            "--draft-vocab", "512", "--val-prompts", "0", "--warmup", "0.3", "--lr", "1e-3", "--no-autocast",
+            "--model", str(tiny_dir), "--tokens", "192", "--batch-size", "1"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "empty"))
+    refused = CliRunner().invoke(main, [*args, "--teacher", "offline"])
+    assert refused.exit_code == 2 and "6 of the run's 6 chunks are not in the feature cache" in refused.output
+    assert "--prepare-features" in refused.output and not (tmp_path / "empty" / "drafters").exists()
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "offline"))
+    prepared = CliRunner().invoke(main, [*args, "--prepare-features"])
+    assert prepared.exit_code == 0, prepared.output
+    assert "features: 6 chunks (6 computed now)" in prepared.output
+    files = list((tmp_path / "offline").glob("features/*/*/chunk-*.safetensors"))
+    # spd n=2 (layers 0-4) and EAGLE-3 (1, 2) on the 4-layer target read 5 layers of 64 in bf16, plus the final
+    # state, its log-normaliser and the ids; each file adds its header
+    expected = bytes_per_token(64, 5) * 32 * len(files)
+    assert len(files) == 6 and expected <= sum(f.stat().st_size for f in files) <= expected + 2048 * len(files)
+    ranks = _torchrun([*args, "--teacher", "offline"], tmp_path / "offline", tmp_path)
+    output = ranks.communicate(timeout=600)[0]
+    assert ranks.returncode == 0, output[-3000:]
+
+    monkeypatch.setenv("SPD_BENCH_CACHE", str(tmp_path / "online"))
+    online = CliRunner().invoke(main, [*args[:-1], "2"])
+    assert online.exit_code == 0, online.output
+    for kind in ("spd-n2-ls1-input", "eagle3-ttt3"):
+        offline, alone = _weights(tmp_path / "offline", kind), _weights(tmp_path / "online", kind)
+        for name, value in alone.items():
+            gap = (offline[name].float() - value.float()).norm() / value.float().norm().clamp(min=1e-12)
+            assert gap < 1e-5, (kind, name, gap)
+
+
+def test_an_offline_rank_other_than_0_loads_only_what_drafters_read(tiny_dir):
+    from harness.training.train import _loaded
+
+    config = TrainConfig(drafters=[], model=str(tiny_dir), teacher="offline")
+    partial = _loaded(config, Ranks(rank=1, world=2)).model
+    assert [type(layer).__name__ for layer in partial.model.layers][1:] == ["Identity"] * 3
+    assert partial.lm_head.weight.device.type == "cpu" and partial.model.embed_tokens is not None
+    whole = _loaded(config, Ranks(rank=0, world=2)).model  # rank 0 validates: the whole target
+    assert not any(isinstance(layer, torch.nn.Identity) for layer in whole.model.layers)
+
+
+def test_more_ranks_than_the_corpus_has_chunks_for_is_one_line(tiny_dir):
+    from harness.runtime.models import load_model
+    from harness.training.corpus import conversations
+    from harness.training.train import training_chunks
+
+    loaded = load_model(str(tiny_dir))
+    config = for_ranks(TrainConfig(drafters=[], seq_len=32, batch_size=1, tokens=32), Ranks(world=64), None)
+    few = [(0, messages) for messages in list(conversations())[:3]]
+    with pytest.raises(HarnessError, match=r"fewer than the 64 that --tokens 32 needs \(a global batch of 64 chunks "
+                                           r"over 64 ranks\); lower --tokens or the ranks"):
+        training_chunks(config, loaded, few, Ranks(world=64))

@@ -30,6 +30,8 @@ def commands(text: str) -> list[str]:
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
                 part = part.split(" # ")[0].strip().removeprefix("$ ")
+                if " -m harness.cli " in part:  # under torchrun: the same command line
+                    part = "spd-bench " + part.split(" -m harness.cli ", 1)[1].removeprefix("-- ")
                 if part.startswith("spd-bench "):
                     found.append(part)
     prose = FENCE.sub("", text)
@@ -203,6 +205,8 @@ def test_every_torchrun_example_starts_the_world_its_run_needs():
     for doc in DOCS:
         for words in _torchrun_lines(doc.read_text()):
             option = dict(zip(words, words[1:]))
+            if option.get("--executor") != "distributed":  # data-parallel training runs on any world
+                continue
             world = int(option.get("--nnodes", 1)) * int(option["--nproc-per-node"])
             devices = option["--devices"].split(",")
             assert world == len(devices) + 1, (doc.name, words)

@@ -93,13 +93,20 @@ def _corpus(value: str) -> str:
 @click.option("--autocast/--no-autocast", default=True, show_default=True,
               help="Train the drafters under bf16 autocast on a bf16 copy of their weights (fp32 master weights; "
                    "the teacher stays in its dtype).")
+@click.option("--teacher", type=click.Choice(["online", "offline"]), default="online", show_default=True,
+              help="online: the target runs on every rank, once per chunk (later epochs read the cache); offline: "
+                   "training reads only the feature cache that --prepare-features wrote, and ranks other than 0 "
+                   "load only the target's embedding, norm, head and first layer.")
+@click.option("--prepare-features", is_flag=True,
+              help="Compute the target's outputs for every chunk of the run into the feature cache, shared out over "
+                   "the ranks, and train nothing (then train with --teacher offline).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of each drafter.")
 @model_option
 @device_option
 @dtype_option
 def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, global_batch, timeout, lr, warmup,
-          draft_vocab, save_every, val_prompts, corpus, autocast, resume, model, device, dtype, draft_vocab_file,
-          **named_values):
+          draft_vocab, save_every, val_prompts, corpus, autocast, teacher, prepare_features, resume, model, device,
+          dtype, draft_vocab_file, **named_values):
     """Distil drafters from the frozen target; one teacher pass feeds every drafter listed. Runs unchanged under
     torchrun, data-parallel: every rank takes its share of each global batch.
 
@@ -109,6 +116,7 @@ def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, global_ba
       torchrun --nproc-per-node 8 -m harness.cli train --method eagle3 --ttt 7 --corpus train.parquet --device cuda
     """
     from harness.training.train import TrainConfig
+    from harness.training.train import prepare_features as run_prepare
     from harness.training.train import train as run_training
 
     specs = _drafter_specs(methods, list_values(named_values, training=True))
@@ -119,15 +127,21 @@ def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, global_ba
                          timeout=timeout, lr=lr, warmup=warmup,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, save_every=save_every,
                          val_prompts=val_prompts, corpus=corpus,
-                         autocast=autocast, device=device, dtype=dtype, resume=resume,
+                         autocast=autocast, teacher=teacher, device=device, dtype=dtype, resume=resume,
                          command=(f"spd-bench train --method {methods} {shape} "
                                   f"--tokens {tokens} --epochs {epochs} --seq-len {seq_len} --batch-size {batch_size} "
                                   + (f"--global-batch {global_batch} " if global_batch else "") +
                                   f"--lr {lr} --warmup {warmup} "
                                   f"--draft-vocab {draft_vocab} --val-prompts {val_prompts} --corpus {corpus} "
                                   + (f"--draft-vocab-file {draft_vocab_file} " if draft_vocab_file else "") +
-                                  f"--{'' if autocast else 'no-'}autocast --model {model} --device {device}"
+                                  f"--{'' if autocast else 'no-'}autocast --teacher {teacher} --model {model} --device {device}"
                                   + (f" --dtype {dtype}" if dtype else "")))
+    if prepare_features:
+        prepared = run_prepare(config)
+        if prepared is not None:  # rank 0 reports
+            click.echo(f"features: {prepared.chunks} chunks ({prepared.computed} computed now) in {prepared.folder}: "
+                       f"{prepared.bytes / 2**20:.1f} MiB, {prepared.bytes_per_token:.0f} bytes per token")
+        return
     for folder in run_training(config):
         click.echo(f"checkpoint: {folder}")
 

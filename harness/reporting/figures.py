@@ -229,10 +229,19 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _curve_label(row: dict) -> str:
+    """The drafter, and the ranks its curve was trained on where that was not one process (in order, e.g. 2 -> 1
+    for a data-parallel run resumed on one process)."""
+    label = f"{row['method']} {row['config_key'].split('-', 1)[-1]}"
+    worlds = [point.get("world_size", 1) for point in row["curve"]]
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    return label if changes == [1] else f"{label} ({' then '.join(map(str, changes))} ranks)"
+
+
 def learning_curves(train_rows: list[dict], path: Path) -> Path | None:
     """Validation against target tokens seen, one line per drafter: top-1 on held-out text (left) and the replayed
     decoding's acceptance on held-out prompts (right)."""
-    curves = [(f"{r['method']} {r['config_key'].split('-', 1)[-1]}", r["curve"]) for r in train_rows if r.get("curve")]
+    curves = [(_curve_label(r), r["curve"]) for r in train_rows if r.get("curve")]
     if not curves:
         return None
     fig, (text, decoding) = plt.subplots(1, 2, figsize=(11, 4), squeeze=True)

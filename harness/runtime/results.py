@@ -217,12 +217,15 @@ def sample_problem(row: dict) -> str | None:
 
 
 def load_training(results: Path | list[Path] | tuple[Path, ...]) -> list[dict]:
-    """The drafter training records (`spd-bench train`) in results files or folders, the latest per drafter."""
+    """The drafter training records (`spd-bench train`) in results files or folders, the latest per drafter and
+    file (a file of its own keeps a study's runs, such as a data-parallel one, beside the shipped drafters')."""
     paths = [Path(p) for p in results] if isinstance(results, (list, tuple)) else [Path(results)]
     files = [f for path in paths for f in ([path] if path.is_file() else sorted(path.rglob("train.jsonl")))]
     latest = {}
-    for row in (row for f in files for row in ResultStore(f).load() if row.get("kind") == "train"):
-        latest[(row["model"]["name"], row["config_key"])] = row
+    for f in files:
+        for row in ResultStore(f).load():
+            if row.get("kind") == "train":
+                latest[(row["model"]["name"], row["config_key"], f)] = row
     return list(latest.values())
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from harness.runtime.errors import HarnessError
 from harness.runtime.paths import cache_dir
 from harness.runtime.target import TargetRuntime
 
@@ -31,6 +32,12 @@ class TeacherBatch:
 
     features: dict[int, torch.Tensor]
     p_draft: torch.Tensor
+
+
+def bytes_per_token(hidden: int, layers: int) -> int:
+    """A chunk file's bytes per token (less its header): `layers` hidden states in bf16, the final normed state and
+    the log-normaliser in float32, the id in int64."""
+    return 2 * hidden * layers + 4 * hidden + 4 + 8
 
 
 def folder(target: TargetRuntime, corpus: str, seq_len: int) -> Path:
@@ -60,11 +67,11 @@ def draft_probabilities(target: TargetRuntime, final: torch.Tensor, lse: torch.T
 
 class FeatureCache:
     """Teacher outputs of the run's chunks (by index), computed once and read back on every later visit
-    (`store=False`: computed on every visit, nothing written)."""
+    (`store=False`: computed on every visit, nothing written; `offline`: never computed, a chunk must be on disk)."""
 
     def __init__(self, target: TargetRuntime, corpus: str, seq_len: int, layers: tuple[int, ...], draft_ids,
-                 store: bool = True, root: Path | None = None):
-        self.target, self.layers, self.draft_ids, self.store = target, layers, draft_ids, store
+                 store: bool = True, root: Path | None = None, offline: bool = False):
+        self.target, self.layers, self.draft_ids, self.store, self.offline = target, layers, draft_ids, store, offline
         self.root = root or folder(target, corpus, seq_len)
         if store:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -75,6 +82,10 @@ class FeatureCache:
         loaded = [self._load(i, ids[row]) if self.store else (None, set()) for row, i in enumerate(index)]
         rows = [row for row, _ in loaded]
         missing = [row for row, got in enumerate(rows) if got is None]
+        if missing and self.offline:
+            raise HarnessError(f"--teacher offline: chunk {index[missing[0]]} is not in the feature cache "
+                               f"{self.root} with layers {list(self.layers)}; prepare it with the same command and "
+                               f"--prepare-features")
         if missing:  # a file's other layers are recomputed too, so no run loses the layers it cached
             layers = tuple(sorted(set(self.layers).union(*(kept for _, kept in loaded))))
             features, final, lse = teacher_pass(self.target, ids[missing], layers)
@@ -89,6 +100,13 @@ class FeatureCache:
         features = {layer: torch.stack([r[0][layer] for r in rows]).to(device).float() for layer in self.layers}
         final, lse = (torch.stack([r[j] for r in rows]).to(device) for j in (1, 2))
         return TeacherBatch(features, draft_probabilities(self.target, final, lse, self.draft_ids))
+
+    def absent(self, indices) -> list[int]:
+        """The chunks of `indices` with no file (a cheap check before an offline run; `batch` checks contents)."""
+        return [i for i in indices if not self._path(i).exists()]
+
+    def bytes_on_disk(self, indices) -> int:
+        return sum(self._path(i).stat().st_size for i in indices if self._path(i).exists())
 
     def _path(self, index: int) -> Path:
         return self.root / f"chunk-{index:07d}.safetensors"

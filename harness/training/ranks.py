@@ -126,6 +126,8 @@ class Ranks:
 
     def enter(self, step: int) -> None:
         """Note that this rank reached step `step`'s exchange."""
+        if self.world == 1:
+            return
         self.step = step
         if self.store is not None:
             self.store.set(f"at/{self.rank}", str(step))
@@ -175,6 +177,9 @@ class Ranks:
     def leave(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+ALONE = Ranks()  # one process: every collective a no-op, nothing noted
 
 
 def _process_state(pid: int) -> str | None:

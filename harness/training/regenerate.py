@@ -25,7 +25,7 @@ from harness.runtime.models import LoadedModel
 from harness.runtime.paths import cache_dir
 from harness.runtime.results import append_line
 from harness.training.corpus import prompt_ids
-from harness.training.ranks import Ranks
+from harness.training.ranks import ALONE, Ranks
 
 BATCH = 32  # prompts generated together: 175-196 target tokens/s in bf16 on 2 cores (batch 32-64) vs 84-89 in fp32
 MAX_PROMPT = 256  # longer first turns are skipped: their tokens cost teacher time and carry no loss
@@ -36,7 +36,7 @@ def replies_path(loaded: LoadedModel, reply_tokens: int, max_prompt: int) -> Pat
 
 
 def self_distilled(loaded: LoadedModel, convs: Iterable[list[dict]], reply_tokens: int, stop: set[int],
-                   max_prompt: int = MAX_PROMPT, ranks: Ranks = Ranks()) -> Iterator[list[dict]]:
+                   max_prompt: int = MAX_PROMPT, ranks: Ranks = ALONE) -> Iterator[list[dict]]:
     """[user, assistant] conversations, in corpus order, for every first turn of at most `max_prompt` tokens,
     the assistant message being the target's greedy reply of at most `reply_tokens` tokens. The replies still
     missing are shared out over the ranks a batch each; rank 0 merges them into the one file, each once."""

@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
-from harness.runtime.models import LoadedModel, load_model, stop_ids
+from harness.runtime.models import LoadedModel, load_model, resolve_model_dir, stop_ids
+from harness.runtime.partial import Part, load_part
 from harness.runtime.results import ResultStore
 from harness.runtime.target import TargetRuntime
 from harness.training import sources
@@ -34,7 +35,7 @@ from harness.training.corpus import conversations, encode
 from harness.training.draft_vocab import read_draft_vocab
 from harness.training.features import FeatureCache, draft_probabilities, teacher_pass
 from harness.training.heldout import Trajectories, decoding_figures, first_turns, greedy_trajectories
-from harness.training.ranks import Ranks, join, rank_device
+from harness.training.ranks import ALONE, Ranks, join, rank_device
 from harness.training.regenerate import self_distilled
 from methods.base import check_fit
 from methods.draft_module import DrafterKind
@@ -47,6 +48,7 @@ class TrainConfig:
     tokens: int = 1_000_000  # target tokens through the teacher
     epochs: int = 1  # passes over those tokens; later passes read the teacher's outputs from the feature cache
     feature_cache: bool = True  # keep the teacher's outputs on disk (harness/training/features.py) for later epochs and runs
+    teacher: str = "online"  # offline: training reads the feature cache only (`prepare_features` wrote it)
     seq_len: int = 256
     batch_size: int = 4  # chunks per rank and step
     global_batch: int = 0  # chunks per step over all ranks (0: batch_size x ranks; resolved by `for_ranks`)
@@ -149,7 +151,7 @@ VOCAB_COUNT_CHARS = 2_000_000
 
 
 def draft_vocabulary(loaded: LoadedModel, convs: list[list[dict]], chunks: list[Chunk], size: int,
-                     ranks: Ranks = Ranks()) -> torch.Tensor | None:
+                     ranks: Ranks = ALONE) -> torch.Tensor | None:
     """The `size` most frequent assistant tokens (ids in the target vocabulary; ties to the lower id) of the
     training slice plus the corpus's first VOCAB_COUNT_CHARS characters of assistant text: a small training budget
     must not shrink the vocabulary to the few tokens its slice happens to contain. Each rank counts its share and
@@ -182,11 +184,13 @@ class DrafterTrainer:
     """One drafter's module, optimiser, schedule and checkpoint folder."""
 
     def __init__(self, spec: DrafterKind, config: TrainConfig, target: TargetRuntime, draft_ids,
-                 ranks: Ranks = Ranks()):
+                 ranks: Ranks = ALONE):
         self.spec, self.config, self.ranks = spec, config, ranks
         self.folder = checkpoints.drafter_dir(target.identity, spec.method, spec.tag)
-        # fp32 master weights: what the optimiser updates, the checkpoint holds and validation runs
-        self.module = spec.initialise(spec.build(target, draft_ids), target).float().train()
+        # fp32 master weights: what the optimiser updates, the checkpoint holds and validation runs; rank 0
+        # initialises them and every other rank takes its weights (`start_alike`, `resume`)
+        module = spec.build(target, draft_ids)
+        self.module = (spec.initialise(module, target) if ranks.lead else module).float().train()
         self.trained = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trained, lr=config.lr, weight_decay=0.0)
         # Under autocast the forward and backward run on a bf16 copy, so activations stay bf16 from layer to layer:
@@ -354,7 +358,7 @@ def _tagged(index: int, stream) -> Iterator[tuple[int, list[dict]]]:
 
 
 def training_chunks(config: TrainConfig, loaded: LoadedModel, convs: list[tuple[int, list[dict]]],
-                    ranks: Ranks = Ranks()) -> list[Chunk]:
+                    ranks: Ranks = ALONE) -> list[Chunk]:
     """The run's token budget in chunks, taken from the corpus's sources in their mixed order (a `self` source's
     conversations regenerated lazily, shared out over the ranks: the target's replies to their first turns). Every
     rank holds every chunk (tokenising is cheap next to the teacher) and passes only its rows through the teacher."""
@@ -396,13 +400,13 @@ class Run:
         return tuple(sorted({layer for t in self.trainers for layer in t.module.config.all_feature_layers()}))
 
 
-def prepare(config: TrainConfig, ranks: Ranks = Ranks(), training: bool = True) -> Run:
+def prepare(config: TrainConfig, ranks: Ranks = ALONE, training: bool = True) -> Run:
     """Load the target, chunk the corpus (its last `val_conversations` held out), build the draft vocabulary (a
     resumed run's own) and a trainer per drafter; every rank checks the same inputs and a bad one stops them all
     before anything is written. `training`: the checkpoints will be written (a timing run writes none), so a
     finished one is refused unless resumed."""
     convs = ranks.together(lambda: corpus_conversations(config.corpus))  # before the target loads
-    loaded = ranks.together(lambda: _loaded(config))
+    loaded = ranks.together(lambda: _loaded(config, ranks))
     ranks.agree({**{k: v for k, v in _config_dict(config).items() if k not in ("device", "command")},
                  "weights sha256": loaded.identity.weights_sha256})
     target = TargetRuntime(loaded.model, max_len=config.seq_len, identity=loaded.identity)
@@ -425,8 +429,17 @@ def prepare(config: TrainConfig, ranks: Ranks = Ranks(), training: bool = True) 
     return Run(config, loaded, target, chunks, held_out, draft_ids, trainers, ranks)
 
 
-def _loaded(config: TrainConfig) -> LoadedModel:
-    loaded = load_model(config.model, config.device, config.dtype)
+def _loaded(config: TrainConfig, ranks: Ranks) -> LoadedModel:
+    """The target; with an offline teacher, a rank other than 0 (which neither validates nor initialises) holds only
+    what drafters read from it: the embedding, final norm, head and one layer (its class builds theirs)."""
+    if config.teacher == "offline" and not ranks.lead:
+        loaded = load_part(config.model, Part(0, 1, embedding=True, norm=True, head=True), config.device,
+                           config.dtype)
+        from transformers import AutoTokenizer
+
+        loaded = replace(loaded, tokenizer=AutoTokenizer.from_pretrained(resolve_model_dir(config.model)[1]))
+    else:
+        loaded = load_model(config.model, config.device, config.dtype)
     for spec in config.drafters:
         check_fit(spec.method, spec.params, len(loaded.model.model.layers))
     return loaded
@@ -477,8 +490,12 @@ def _train(config: TrainConfig, ranks: Ranks) -> list[Path]:
     start, start_steps = min(t.step for t in trainers), {id(t): t.step for t in trainers}
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True, disable=not ranks.lead)
-    cache = FeatureCache(target, sources.key(sources.parse(config.corpus)), config.seq_len, run.layers, draft_ids,
-                         store=config.feature_cache)
+    cache = _feature_cache(run)
+    if cache.offline:
+        absent = cache.absent(range(len(run.chunks)))
+        ranks.verdict(f"--teacher offline: {len(absent)} of the run's {len(run.chunks)} chunks are not in the "
+                      f"feature cache {cache.root}; prepare them with the same command and --prepare-features"
+                      if absent else None)
     began = time.perf_counter()
     with bar:  # closed before any error line, which then starts a line of its own
         for step in range(start, config.steps):
@@ -491,13 +508,64 @@ def _train(config: TrainConfig, ranks: Ranks) -> list[Path]:
                 trained = [t for t in trainers if t.step == done and done > start_steps[id(t)]]  # not resumed done
                 for trainer in trained:
                     trainer.validation = validate(trainer, val_chunks, *val_inputs, draft_ids, trajectories)
-                    trainer.curve.append({"step": trainer.step, "tokens": trainer.tokens, **trainer.validation})
+                    trainer.curve.append({"step": trainer.step, "tokens": trainer.tokens, "world_size": ranks.world,
+                                          **trainer.validation})
                     trainer.save({"config": _config_dict(config)})
                 bar.write(f"step {done}: " + "; ".join(_validation_line(t) for t in trainers))
     if not ranks.lead:
         return []
     _record(run.loaded, config, [t for t in trainers if t.step > start_steps[id(t)]], ranks.world)
     return [t.folder for t in trainers]
+
+
+def _feature_cache(run: Run) -> FeatureCache:
+    config = run.config
+    return FeatureCache(run.target, sources.key(sources.parse(config.corpus)), config.seq_len, run.layers,
+                        run.draft_ids, store=config.feature_cache or config.teacher == "offline",
+                        offline=config.teacher == "offline")
+
+
+@dataclass
+class PreparedFeatures:
+    """What `prepare_features` left in the cache: the run's chunks, how many it computed, and their size."""
+
+    folder: Path
+    chunks: int
+    computed: int
+    tokens: int
+    bytes: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / max(1, self.tokens)
+
+
+@torch.no_grad()
+def prepare_features(config: TrainConfig) -> PreparedFeatures | None:
+    """The offline teacher's step: the target's outputs for every chunk of the run's budget, at the layers its
+    drafters read, written to the feature cache; chunk i on rank i % world. Training with `teacher="offline"`
+    then reads only them. Returns the summary on rank 0 (None on the others)."""
+    ranks = join(config.timeout, config.device)
+    try:
+        run = prepare(replace(config, device=rank_device(config.device), teacher="online", feature_cache=True),
+                      ranks, training=False)
+        cache, size = _feature_cache(run), run.config.batch_size
+        mine = list(range(ranks.rank, len(run.chunks), ranks.world))
+        bar = tqdm(total=len(run.chunks), unit="chunk", desc="teacher features", dynamic_ncols=True,
+                   disable=not ranks.lead)
+        with bar:
+            for start in range(0, len(mine), size):
+                index = mine[start:start + size]
+                cache.batch(index, torch.stack([run.chunks[i].ids for i in index]).to(run.target.device))
+                bar.update(len(index) * ranks.world)
+        computed = int(ranks.sum(torch.tensor([cache.computed]))[0])
+        if not ranks.lead:
+            return None
+        everything = range(len(run.chunks))
+        return PreparedFeatures(cache.root, len(run.chunks), computed, len(run.chunks) * run.config.seq_len,
+                                cache.bytes_on_disk(everything))
+    finally:
+        ranks.leave()
 
 
 def _step(run: Run, config: TrainConfig, cache: FeatureCache, step: int) -> tuple[int, dict[str, str]]:
