@@ -116,7 +116,7 @@ def train(methods, tokens, epochs, feature_cache, seq_len, batch_size, global_ba
       torchrun --nproc-per-node 8 -m harness.cli train --method eagle3 --ttt 7 --corpus train.parquet --device cuda
     """
     from harness.training.train import TrainConfig
-    from harness.training.train import prepare_features as run_prepare
+    from harness.training.offline import prepare_features as run_prepare
     from harness.training.train import train as run_training
 
     specs = _drafter_specs(methods, list_values(named_values, training=True))

@@ -490,7 +490,7 @@ def _train(config: TrainConfig, ranks: Ranks) -> list[Path]:
     start, start_steps = min(t.step for t in trainers), {id(t): t.step for t in trainers}
     bar = tqdm(total=config.steps, initial=start, unit="step", desc="train " + ",".join(s.tag for s in config.drafters),
                dynamic_ncols=True, disable=not ranks.lead)
-    cache = _feature_cache(run)
+    cache = feature_cache(run)
     if cache.offline:
         absent = cache.absent(range(len(run.chunks)))
         ranks.verdict(f"--teacher offline: {len(absent)} of the run's {len(run.chunks)} chunks are not in the "
@@ -518,54 +518,11 @@ def _train(config: TrainConfig, ranks: Ranks) -> list[Path]:
     return [t.folder for t in trainers]
 
 
-def _feature_cache(run: Run) -> FeatureCache:
+def feature_cache(run: Run) -> FeatureCache:
     config = run.config
     return FeatureCache(run.target, sources.key(sources.parse(config.corpus)), config.seq_len, run.layers,
                         run.draft_ids, store=config.feature_cache or config.teacher == "offline",
                         offline=config.teacher == "offline")
-
-
-@dataclass
-class PreparedFeatures:
-    """What `prepare_features` left in the cache: the run's chunks, how many it computed, and their size."""
-
-    folder: Path
-    chunks: int
-    computed: int
-    tokens: int
-    bytes: int
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes / max(1, self.tokens)
-
-
-@torch.no_grad()
-def prepare_features(config: TrainConfig) -> PreparedFeatures | None:
-    """The offline teacher's step: the target's outputs for every chunk of the run's budget, at the layers its
-    drafters read, written to the feature cache; chunk i on rank i % world. Training with `teacher="offline"`
-    then reads only them. Returns the summary on rank 0 (None on the others)."""
-    ranks = join(config.timeout, config.device)
-    try:
-        run = prepare(replace(config, device=rank_device(config.device), teacher="online", feature_cache=True),
-                      ranks, training=False)
-        cache, size = _feature_cache(run), run.config.batch_size
-        mine = list(range(ranks.rank, len(run.chunks), ranks.world))
-        bar = tqdm(total=len(run.chunks), unit="chunk", desc="teacher features", dynamic_ncols=True,
-                   disable=not ranks.lead)
-        with bar:
-            for start in range(0, len(mine), size):
-                index = mine[start:start + size]
-                cache.batch(index, torch.stack([run.chunks[i].ids for i in index]).to(run.target.device))
-                bar.update(len(index) * ranks.world)
-        computed = int(ranks.sum(torch.tensor([cache.computed]))[0])
-        if not ranks.lead:
-            return None
-        everything = range(len(run.chunks))
-        return PreparedFeatures(cache.root, len(run.chunks), computed, len(run.chunks) * run.config.seq_len,
-                                cache.bytes_on_disk(everything))
-    finally:
-        ranks.leave()
 
 
 def _step(run: Run, config: TrainConfig, cache: FeatureCache, step: int) -> tuple[int, dict[str, str]]:
