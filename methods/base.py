@@ -48,44 +48,61 @@ class ParityCheck(Protocol):
 
 
 class Timer:
-    """Accumulates seconds per named component. On CUDA a component is bracketed by two events on the current
-    stream and the events are read once, when the totals are asked for (the end of a generation): synchronising
-    around each component would drain the launch queue twice a component, several times a step, which is the
-    stall a step without read-backs avoids. An event pair measures the device's timeline from the component's start
-    to the end of its last kernel, idle waits for the host included, so a span that ends in a read-back (decode)
-    equals its wall-clock."""
+    """Accumulates seconds per named component, in total and per lap (a family's rounds: `lap` starts the next). On
+    CUDA a component is bracketed by two events on the current stream and the events are read once, when the
+    totals are asked for at the end of a generation: synchronising around each component would drain the launch
+    queue several times a step, the stall a step without read-backs avoids. An event pair measures the device's
+    timeline from the component's start to the end of its last kernel, idle waits for the host included, so a span
+    that ends in a read-back (decode) equals its wall-clock."""
 
     def __init__(self, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
         self._totals: dict[str, float] = {}
-        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._laps: list[dict[str, float]] = [{}]
+        self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def __call__(self, name: str):
+        lap = len(self._laps) - 1
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream = torch.cuda.current_stream(self.device)  # the device's own, whichever is current
             start.record(stream)
             yield
             end.record(stream)
-            self._pending.append((name, start, end))
+            self._pending.append((name, lap, start, end))
             return
         start = time.perf_counter()
         yield
-        self._add(name, time.perf_counter() - start)
+        self._add(name, lap, time.perf_counter() - start)
+
+    def lap(self) -> None:
+        """What is timed from now on belongs to the next lap (spans belong to the lap they start in)."""
+        self._laps.append({})
 
     @property
     def totals(self) -> dict[str, float]:
-        """Seconds per component so far (on CUDA: one synchronisation, here, for everything recorded since)."""
-        if self._pending:
-            torch.cuda.synchronize(self.device)
-            for name, start, end in self._pending:
-                self._add(name, start.elapsed_time(end) / 1000)
-            self._pending.clear()
+        """Seconds per component (on CUDA: one synchronisation, here, for everything recorded since the last read:
+        read it once, at the end of a generation)."""
+        self._resolve()
         return self._totals
 
-    def _add(self, name: str, seconds: float) -> None:
+    @property
+    def laps(self) -> list[dict[str, float]]:
+        """Seconds per component in each lap, the first lap being what was timed before the first `lap()`."""
+        self._resolve()
+        return self._laps
+
+    def _resolve(self) -> None:
+        if self._pending:
+            torch.cuda.synchronize(self.device)
+            for name, lap, start, end in self._pending:
+                self._add(name, lap, start.elapsed_time(end) / 1000)
+            self._pending.clear()
+
+    def _add(self, name: str, lap: int, seconds: float) -> None:
         self._totals[name] = self._totals.get(name, 0.0) + seconds
+        self._laps[lap][name] = self._laps[lap].get(name, 0.0) + seconds
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,15 @@ method that runs rounds, executed or replayed on a trajectory (methods/teacher.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from typing import Protocol
 
 import torch
 
+from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods import drafts as drafts_log
-from methods.base import Generation, PositionAxis, Timer, commit
+from methods.base import Generation, Method, PositionAxis, Timer, commit
 from methods.sampling import Sampler
 from methods.stats import Record, Stats
 from methods.teacher import Teacher
@@ -38,7 +41,8 @@ class DraftShape(Record):
 
 @dataclass(eq=False)
 class Node:
-    """A drafted token: its parent (index into the round's nodes, -1 for the root), depth and branch score."""
+    """A drafted token on the host (SSD's speculation tree): its parent (index into the round's nodes, -1 for the
+    root), depth and branch score."""
 
     token: int
     parent: int
@@ -49,32 +53,78 @@ class Node:
 
 
 @dataclass
-class Chain:
-    """A round's drafts as a chain kept on the device: tokens [m] and, when they were sampled (T > 0), the
-    distributions q [m, V] they were drawn from."""
+class TreeShape:
+    """Where a draft tree's nodes hang, on the device: node i's parent (-1: the root; parents before children, and
+    siblings tried in index order) and depth (1: a child of the root), and its ancestors (ancestors[i, j]: node j is
+    i or above it). `host`: the same parents and depths as lists where the drafter knows them without a read-back."""
 
-    tokens: torch.Tensor
-    q: torch.Tensor | None = None
+    parents: torch.Tensor  # [N]
+    depths: torch.Tensor  # [N]
+    ancestors: torch.Tensor  # [N, N] bool
+    levels: int  # the deepest node's depth
+    host: tuple[list[int], list[int]] | None = None
+
+    @classmethod
+    def of_parents(cls, parents: list[int], device) -> TreeShape:
+        """A shape known on the host (a fixed tree, a chain, SSD's nodes): built once, copied to the device."""
+        depths, ancestors = [], torch.zeros(len(parents), len(parents), dtype=torch.bool)
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent must come before it, got {parent}")
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+            if parent >= 0:
+                ancestors[i] = ancestors[parent]
+            ancestors[i, i] = True
+        return cls(torch.tensor(parents, dtype=torch.long, device=device),
+                   torch.tensor(depths, dtype=torch.long, device=device), ancestors.to(device),
+                   max(depths, default=0), (list(parents), depths))
 
 
 @dataclass
-class Beam:
-    """A draft tree kept on the device: `levels` levels of `width` nodes, node i at depth i // width + 1,
-    its token, its parent node (-1: the root) and its ancestors (ancestors[i, j]: node j is i or above it)."""
+class DraftTree:
+    """A round's drafts on the device: tokens [N] and their shape (None: a chain, each draft the child of the one
+    before; a beam or a sparse tree otherwise). `q` [N, V]: the distributions a sampled chain was drawn from (T > 0;
+    None: deterministic candidates, which the sibling rule verifies)."""
 
-    tokens: torch.Tensor  # [N]
-    parents: torch.Tensor  # [N]
-    ancestors: torch.Tensor  # [N, N] bool
-    width: int
+    tokens: torch.Tensor
+    shape: TreeShape | None = None
+    q: torch.Tensor | None = None
+
+    @classmethod
+    def of_nodes(cls, nodes: list[Node], device) -> DraftTree:
+        """Host-side drafts (their tokens and parents copied to the device, nothing read back)."""
+        tokens = torch.tensor([n.token for n in nodes], dtype=torch.long, device=device)
+        parents = [n.parent for n in nodes]
+        chain = parents == list(range(-1, len(nodes) - 1))
+        q = torch.stack([n.q for n in nodes]) if nodes and nodes[0].q is not None else None
+        return cls(tokens, None if chain else TreeShape.of_parents(parents, device), q)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.shape is None
 
     @property
     def levels(self) -> int:
-        return len(self.tokens) // self.width
+        return len(self.tokens) if self.shape is None else self.shape.levels
+
+    def tree_shape(self) -> TreeShape:
+        return self.shape or chain_shape(len(self.tokens), self.tokens.device)
 
 
-def chain(tokens: list[int]) -> list[Node]:
-    """Deterministic drafts as a chain of nodes (no draft distribution: the verifier treats each as a point mass)."""
-    return [Node(token, i - 1, i + 1) for i, token in enumerate(tokens)]
+@lru_cache(maxsize=64)
+def chain_shape(count: int, device: torch.device) -> TreeShape:
+    """A chain of `count` drafts as a tree (its tensors are only read, so rounds share them)."""
+    return TreeShape.of_parents(list(range(-1, count - 1)), device)
+
+
+@dataclass
+class Outcome:
+    """What a round's verification decided: the accepted nodes (a path from the root), the committed tokens (theirs
+    and the next token) and the target's features at the verifier's layers over the root and the accepted rows."""
+
+    accepted: list[int]
+    tokens: list[int]
+    features: dict[int, torch.Tensor]
 
 
 def tree_mask(nodes: list[Node], rows: list[int], prefix: int, first_slot: int, kv_end: int) -> torch.Tensor:
@@ -98,6 +148,7 @@ class Rounds:
     depth: int  # the most drafts a round can accept
     max_new_tokens: int
     stop_ids: set[int]
+    prompt_ids: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     position_accepts: list[int] = field(init=False)
 
@@ -113,6 +164,11 @@ class Rounds:
         """Committed tokens after the first: the newest one's position is the prompt length plus this."""
         return len(self.output) - 1
 
+    @property
+    def position(self) -> int:
+        """The newest committed token's position (the root of the next round's drafts)."""
+        return len(self.prompt_ids) + self.base
+
     def commit(self, tokens: list[int], count: int) -> list[int]:
         """Commit a round's tokens, its `count` accepted drafts and the bonus token after them (up to the budget and
         the first stop id); returns the tokens committed."""
@@ -121,10 +177,6 @@ class Rounds:
         for k in range(min(count, len(new))):
             self.position_accepts[k] += 1
         return new
-
-    def commit_path(self, nodes: list[Node], path: list[int], bonus: int) -> list[int]:
-        """Commit the accepted path of a round's nodes and its bonus token."""
-        return self.commit([nodes[i].token for i in path] + [bonus], len(path))
 
     def generation(self, timing: dict[str, float], stats: Stats) -> Generation:
         return Generation(output_ids=self.output, steps=len(self.accepted), accepted=self.accepted,
@@ -140,151 +192,168 @@ def target_prefill(target: TargetRuntime, layers: tuple[int, ...], prompt_ids: l
         return sampler.pick(logits[-1]), captured
 
 
-def verify_round(target: TargetRuntime, layers: tuple[int, ...], nodes: list[Node], last: int, base: int,
-                 sampler: Sampler):
-    """One target forward over the root and every candidate; returns (accepted node path, next token, target
-    features at `layers` of the root and the path rows)."""
-    device = target.device
-    ids = torch.tensor([last] + [n.token for n in nodes], device=device)
-    is_chain = all(n.parent == i - 1 for i, n in enumerate(nodes))
-    positions, slots, mask, parents = range(base, base + len(ids)), None, None, None
-    # Rows see the prefix plus their own branch; slots base + 1 + i hold the candidates. Linear-attention layers
-    # take even a chain level by level, so the state after each accepted candidate is there whatever is accepted.
-    if not is_chain or target.has_linear_layers:
-        positions = torch.tensor([base] + [base + n.depth for n in nodes], device=device)
-        slots = base + torch.arange(len(ids), device=device)
-        mask = tree_mask(nodes, [-1] + list(range(len(nodes))), base + 1, base + 1, base + len(ids))
-        parents = torch.tensor([base - 1] + [base + 1 + n.parent if n.parent >= 0 else base for n in nodes],
-                               device=device)
+def verify(target: TargetRuntime, layers: tuple[int, ...], tree: DraftTree, last: int, base: int, sampler: Sampler
+           ) -> Outcome:
+    """ONE target forward over the root (`last`, at `base`) and every draft, the decision on the device and one read
+    back of it and the drafts; the accepted branch's KV (and linear states) move into place."""
+    device, count = target.device, len(tree.tokens)
+    ids = torch.cat([torch.tensor([last], device=device), tree.tokens])
+    positions, slots, mask, parents = range(base, base + count + 1), None, None, None
+    # A tree's rows see the prefix plus their own branch, node i in slot base + 1 + i. Linear-attention layers take
+    # even a chain level by level, so the state after each accepted draft is there whatever is accepted.
+    if not tree.is_chain or target.has_linear_layers:
+        positions, slots, mask, parents = _tree_rows(tree.tree_shape(), base, target.has_linear_layers, device)
     h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
                                     parents=parents, capture=layers)
-    logits = target.logits(h)
-    path, bonus = _accept(nodes, logits, sampler)
-    if path and path != list(range(len(path))):  # the accepted branch's KV (and linear states) move
-        target.cache.move([base + 1 + i for i in path], base + 1)
-    target.truncate(base + 1 + len(path))  # the rejected candidates' linear states go
-    rows = [0] + [i + 1 for i in path]
-    return path, bonus, {layer: h[:, rows] for layer, h in captured.items()}
-
-
-def verify_chain(target: TargetRuntime, layers: tuple[int, ...], drafts: Chain, last: int, base: int,
-                 sampler: Sampler) -> tuple[int, list[int], dict]:
-    """verify_round for a chain kept on the device: one target forward, the decision on the device and one read
-    back of it and the drafts. Returns (accepted drafts, the committed tokens: those drafts and the next token,
-    target features at `layers` of the root and the accepted rows)."""
-    device, m = target.device, len(drafts.tokens)
-    ids = torch.cat([torch.tensor([last], device=device), drafts.tokens])
-    positions, slots, mask, parents = range(base, base + m + 1), None, None, None
-    if target.has_linear_layers:  # level by level, so the state after each draft is there whatever is accepted
-        positions = slots = base + torch.arange(m + 1, device=device)
-        mask = tree_mask(chain([0] * m), list(range(-1, m)), base + 1, base + 1, base + m + 1)
-        parents = base - 1 + torch.arange(m + 1, device=device)
-    h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
-                                    parents=parents, capture=layers)
-    logits = target.logits(h)
-    if sampler.greedy:
-        decision = greedy_chain(drafts.tokens, logits.argmax(-1))
-    else:
-        decision = chain_rejection_on_device(drafts.tokens, drafts.q, sampler.probs(logits), sampler.generator)
-    count, bonus, *tokens = torch.cat([decision, drafts.tokens]).tolist()  # the step's one read back
-    drafts_log.note(tokens)
-    target.truncate(base + 1 + count)
-    return count, tokens[:count] + [bonus], {layer: h[:, : count + 1] for layer, h in captured.items()}
-
-
-def verify_beam(target: TargetRuntime, layers: tuple[int, ...], beam: Beam, last: int, base: int, sampler: Sampler
-                ) -> tuple[list[int], list[int], dict]:
-    """verify_round for a Beam: one forward, the accepted path walked on the device and one read back (a target
-    with linear-attention layers also reads the tree's shape back once, to run them level by level). Returns
-    (accepted nodes, committed tokens: theirs and the next token, features as verify_round's)."""
-    device, count = target.device, len(beam.tokens)
-    ids = torch.cat([torch.tensor([last], device=device), beam.tokens])
-    positions = torch.tensor([base] + [base + 1 + i // beam.width for i in range(count)], device=device)
-    mask = torch.cat([torch.ones(count + 1, base + 1, dtype=torch.bool, device=device),
-                      torch.cat([torch.zeros(1, count, dtype=torch.bool, device=device), beam.ancestors])], dim=1)
-    parents = None  # the slot each token continues: the root the last committed one, a node its parent's
-    if target.has_linear_layers:
-        parents = torch.cat([torch.tensor([base - 1], device=device),
-                             torch.where(beam.parents >= 0, base + 1 + beam.parents, base)])
-    h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions,
-                                    slots=base + torch.arange(count + 1, device=device), mask=mask, parents=parents,
-                                    capture=layers)
     logits = target.logits(h)  # row 0: after the root; row i + 1: after node i
+    walked = not tree.is_chain or (not sampler.greedy and tree.q is None)  # the sibling rule walks even a chain
     if sampler.greedy:
-        decision = _greedy_walk(beam, logits.argmax(-1))
+        decision = greedy_walk(tree.tree_shape(), tree.tokens, logits.argmax(-1)) if not tree.is_chain \
+            else greedy_chain(tree.tokens, logits.argmax(-1))
+    elif tree.q is not None:
+        decision = chain_rejection_on_device(tree.tokens, tree.q, sampler.probs(logits), sampler.generator)
     else:
-        decision = tree_rejection_on_device(beam.parents, beam.tokens, sampler.probs(logits), beam.levels,
-                                            sampler.generator)
-    read = torch.cat([decision, beam.tokens, beam.parents]).tolist()  # the round's one read back
-    walk, bonus, tokens = read[: beam.levels], read[beam.levels], read[beam.levels + 1: beam.levels + 1 + count]
-    drafts_log.note(tokens, read[beam.levels + 1 + count:])
-    accepted = [i for i in walk if i >= 0]
-    if accepted != list(range(len(accepted))):  # the accepted branch's KV moves into place
+        decision = tree_rejection_on_device(tree.tree_shape().parents, tree.tokens, sampler.probs(logits),
+                                            tree.levels, sampler.generator)
+    shown = [decision, tree.tokens] if tree.is_chain else [decision, tree.tokens, tree.shape.parents]
+    read = torch.cat(shown).tolist()  # the round's one read back
+    head = tree.levels + 1 if walked else 2
+    tokens, tree_parents = read[head: head + count], (read[head + count:] if not tree.is_chain else None)
+    drafts_log.note(tokens, tree_parents)
+    accepted = [i for i in read[: head - 1] if i >= 0] if walked else list(range(read[0]))
+    bonus = read[head - 1]
+    if accepted != list(range(len(accepted))):  # the accepted branch's KV (and linear states) move into place
         target.cache.move([base + 1 + i for i in accepted], base + 1)
-    target.truncate(base + 1 + len(accepted))
+    target.truncate(base + 1 + len(accepted))  # the rejected drafts' linear states go
     rows = [0] + [i + 1 for i in accepted]
-    return accepted, [tokens[i] for i in accepted] + [bonus], {layer: h[:, rows] for layer, h in captured.items()}
+    features = {layer: h[:, rows] for layer, h in captured.items()} if walked else \
+        {layer: h[:, : len(rows)] for layer, h in captured.items()}
+    return Outcome(accepted, [tokens[i] for i in accepted] + [bonus], features)
 
 
-def _greedy_walk(beam: Beam, best: torch.Tensor) -> torch.Tensor:
-    """verify_tree's greedy walk on the device: at each level the first child of the accepted node that is the
-    target's argmax. Returns [levels + 1]: the accepted node per level (-1 once stopped), then the next token."""
-    width, device = beam.width, beam.tokens.device
+def _tree_rows(shape: TreeShape, base: int, linear: bool, device):
+    """A tree call's positions, slots, mask and (through linear-attention layers) parent slots; host lists where the
+    shape is known on the host, so the linear layers read nothing back."""
+    count = len(shape.parents)
+    mask = torch.cat([torch.ones(count + 1, base + 1, dtype=torch.bool, device=device),
+                      torch.cat([torch.zeros(1, count, dtype=torch.bool, device=device), shape.ancestors])], dim=1)
+    if shape.host is not None and linear:
+        parents, depths = shape.host
+        return ([base] + [base + d for d in depths], list(range(base, base + count + 1)), mask,
+                [base - 1] + [base + 1 + p if p >= 0 else base for p in parents])
+    positions = torch.cat([torch.tensor([base], device=device), base + shape.depths])
+    parents = None  # the slot each token continues: the root the last committed one, a node its parent's
+    if linear:
+        parents = torch.cat([torch.tensor([base - 1], device=device),
+                             torch.where(shape.parents >= 0, base + 1 + shape.parents, base)])
+    return positions, base + torch.arange(count + 1, device=device), mask, parents
+
+
+def greedy_walk(shape: TreeShape, tokens: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """verify_tree's greedy walk on the device: at each level the first child (in index order) of the accepted node
+    whose token is the target's argmax. Returns [levels + 1]: the accepted node per level (-1 once stopped), then
+    the next token."""
+    device = tokens.device
     node, row, path = torch.tensor(-1, device=device), torch.tensor(0, device=device), []
-    for level in range(beam.levels):
-        own = slice(level * width, (level + 1) * width)
-        hit = (beam.parents[own] == node) & (beam.tokens[own] == best[row])
+    for level in range(1, shape.levels + 1):
+        hit = (shape.depths == level) & (shape.parents == node) & (tokens == best[row])
         found = hit.any()
-        chosen = level * width + hit.int().argmax()  # the first hit, as verify_tree tries siblings in order
+        chosen = hit.int().argmax()
         node = torch.where(found, chosen, -2)  # -2: no node's parent, so the walk stays stopped
         row = torch.where(found, chosen + 1, row)
         path.append(torch.where(found, chosen, -1))
-    return torch.cat([torch.stack(path), best[row].view(1)])
-
-
-def _accept(nodes: list[Node], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
-    parents, tokens = [n.parent for n in nodes], [n.token for n in nodes]
-    drafts_log.note(tokens, parents)
-    if sampler.greedy:
-        return verify_tree(parents, tokens, logits.argmax(-1).tolist())
-    p, drafts = sampler.probs(logits), torch.tensor(tokens, dtype=torch.long, device=logits.device)
-    if nodes and nodes[0].q is not None:  # a sampled chain: the p/q rule, then a bonus token from p
-        q = torch.stack([n.q for n in nodes])
-        count, token = chain_rejection_on_device(drafts, q, p, sampler.generator).tolist()
-        return list(range(count)), token
-    depth = max(n.depth for n in nodes) if nodes else 0
-    tree = torch.tensor(parents, dtype=torch.long, device=p.device)
-    *walk, token = tree_rejection_on_device(tree, drafts, p, depth, sampler.generator).tolist()  # the one read back
-    return [node for node in walk if node >= 0], token
+    return torch.cat([torch.stack(path), best[row].view(1)]) if path else best[:1]
 
 
 def trajectory_verifier(teacher: Teacher):
-    """Tree verification that reads the trajectory instead of running the target: the accepted path is the branch
-    that follows it and the bonus its next token (T=0: the argmax; T>0: the sampled token, see EAGLE3.simulate)."""
+    """Verification that reads the trajectory instead of running the target: the accepted path is the branch that
+    follows it and the next token its next one (T=0: the argmax; T>0: the sampled token, see RoundMethod.simulate)."""
 
-    def verify(nodes, last: int, base: int, sampler):
+    def replayed(tree: DraftTree, last: int, base: int, sampler) -> Outcome:
+        shape = tree.tree_shape()
+        tokens, parents, depths = torch.stack([tree.tokens, shape.parents, shape.depths]).tolist()
         on_path = []  # is node i's branch the trajectory up to and including it?
         argmax = [teacher.token(base + 1)]
-        for node in nodes:
-            parent_ok = node.parent < 0 or on_path[node.parent]
-            position = base + node.depth
-            on_path.append(parent_ok and position < teacher.length and node.token == teacher.token(position))
+        for token, parent, depth in zip(tokens, parents, depths):
+            position = base + depth
+            on_path.append((parent < 0 or on_path[parent]) and position < teacher.length
+                           and token == teacher.token(position))
             argmax.append(teacher.token(position + 1) if on_path[-1] and position + 1 < teacher.length else -1)
-        drafts_log.note([n.token for n in nodes], [n.parent for n in nodes])
-        path, bonus = verify_tree([n.parent for n in nodes], [n.token for n in nodes], argmax)
+        drafts_log.note(tokens, None if tree.is_chain else parents)
+        path, bonus = verify_tree(parents, tokens, argmax)
         features = {layer: h[:, base: base + len(path) + 1] for layer, h in teacher.features.items()}
-        return path, bonus, features
+        return Outcome(path, [tokens[i] for i in path] + [bonus], features)
 
-    return verify
+    return replayed
 
 
-def rounds_on_trajectory(rounds, target, prompt_ids: list[int], trajectory: list[int], layers: tuple[int, ...],
-                         sampler) -> Generation:
-    """A method's real drafting rounds, `rounds(first, prompt_features, timer, verify)`, with the trajectory in place of
-    the target's verification forward (trajectory_verifier); the realised acceptance is the expected one."""
-    teacher = Teacher.run(target, prompt_ids, trajectory, layers, sampler)
-    start = teacher.prompt_len
-    prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
-    generation = rounds(teacher.token(start), prefix, Timer(target.device), trajectory_verifier(teacher))
-    generation.stats.expected_accepts = float(sum(generation.position_accepts))
-    return generation
+class RoundSession(Protocol):
+    """One generation's drafter, as a round method starts it (`RoundMethod.session`): it drafts each round into a
+    DraftTree and learns from what the round committed; `finish` gives the generation's Stats and any timings of
+    its own."""
+
+    def draft(self, rounds: Rounds, sampler: Sampler, timer: Timer) -> DraftTree: ...
+
+    def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None: ...
+
+    def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict[str, float]]: ...
+
+
+class RoundMethod(Method):
+    """A draft-then-verify method. The kit owns the loop: prefill, rounds (draft, ONE verify, commit, learn), stopping,
+    counting and timing, executed on the target or replayed on a trajectory (`--simulate`), so a replay runs the
+    family's very drafting. A family sets `layers` (the target layers its drafter reads), `depth` (the most drafts a
+    round can accept) and `session`."""
+
+    positions = DRAFT_POSITIONS
+    layers: tuple[int, ...] = ()
+
+    @property
+    def depth(self) -> int:
+        raise NotImplementedError
+
+    def session(self, rounds: Rounds, captured: dict, sampler: Sampler, timer: Timer) -> RoundSession:
+        """The generation's drafter, started on the prompt's features at `layers` (`rounds` holds the first token)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
+        timer = Timer(self.target.device)
+        first, captured = target_prefill(self.target, self.layers, prompt_ids, sampler, timer)
+        return self.run_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer,
+                               partial(verify, self.target, self.layers))
+
+    @torch.inference_mode()
+    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
+                 ) -> Generation:
+        """The real rounds with the trajectory in place of the target's verification forward: exact at T=0. Drafts
+        that are deterministic candidates keep the sibling rule's outcome a sample of the executed process at T>0
+        (it emits a sample of p and accepts iff it is a candidate); the realised acceptance is the expected one."""
+        try:
+            self.check_simulation(self.params, 0.0 if sampler.greedy else sampler.config.temperature)
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from None
+        teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
+        start = teacher.prompt_len
+        prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
+        generation = self.run_rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
+                                     Timer(self.target.device), trajectory_verifier(teacher))
+        generation.stats.expected_accepts = float(sum(generation.position_accepts))
+        return generation
+
+    def run_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
+                   timer: Timer, verifier, start=None) -> Generation:
+        """Rounds from the first token until the budget or a stop id, each verified by `verifier(tree, last, base,
+        sampler)` -> Outcome; `start`: another session than `session` (its signature)."""
+        rounds = Rounds([first], self.depth, max_new_tokens, self.stop_ids, prompt_ids)
+        with timer("prefill"):
+            session = (start or self.session)(rounds, captured, sampler, timer)
+        with timer("decode"):
+            while not rounds.done:
+                tree = session.draft(rounds, sampler, timer)
+                with timer("verify"):
+                    outcome = verifier(tree, rounds.output[-1], rounds.position, sampler)
+                new = rounds.commit(outcome.tokens, len(outcome.accepted))
+                session.learn(rounds, outcome, new, timer)
+        stats, timing = session.finish(rounds, timer)
+        return rounds.generation({**timer.totals, **timing}, stats)

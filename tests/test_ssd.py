@@ -11,6 +11,7 @@ from harness.runtime.target import TargetRuntime
 from methods.base import Timer, build_method, parse_params
 from methods.eagle3.head import EagleConfig, EagleHead
 from methods.eagle3.method import EAGLE3, EagleParams
+from methods.rounds import target_prefill
 from methods.sampling import Sampler, SamplingConfig
 from methods.ssd.method import SSD, SSDParams
 from methods.ssd.speculate import saguaro
@@ -158,7 +159,7 @@ def test_synchronous_decoding_is_timed_beside_ssd_from_the_same_seed():
 
     eagle = EAGLE3(target, EagleParams(m=3, ttt=3), set(), head=method.drafter.head)
     timer = Timer(target.device)
-    first, captured = eagle.prefill([5, 6], Sampler(GREEDY), timer)
+    first, captured = target_prefill(target, eagle.layers, [5, 6], Sampler(GREEDY), timer)
     synchronous = method.synchronous_rounds([5, 6], first, captured, 20, Sampler(GREEDY), timer)
     chain = eagle.generate([5, 6], 20, Sampler(GREEDY))
     assert (synchronous.output_ids, synchronous.accepted) == (chain.output_ids, chain.accepted)
@@ -179,7 +180,7 @@ def test_a_draft_model_drafts_losslessly_and_the_target_drafting_for_itself_hits
     ar = build_method("autoregressive", target, {}, set())
     drafted = SSD(target, SSDParams(k=3, fan_out=2, draft_model=other), set())
     assert SSD.drafter(drafted.params) is None and drafted.drafter.layers == ()  # no trained drafter, no features
-    assert drafted._shape().ls == pytest.approx(4, rel=0.3)  # 4 layers shaped like the target's 6
+    assert drafted.shape().ls == pytest.approx(4, rel=0.3)  # 4 layers shaped like the target's 6
     for prompt in ([7], list(range(10, 19))):
         reference = ar.generate(prompt, 24, Sampler(GREEDY)).output_ids
         executed = drafted.generate(prompt, 24, Sampler(GREEDY))
@@ -192,7 +193,7 @@ def test_a_draft_model_drafts_losslessly_and_the_target_drafting_for_itself_hits
     generation = perfect.generate([7], 24, Sampler(GREEDY))
     assert generation.output_ids == reference
     assert generation.stats.cache_hits == generation.steps - 1 and generation.stats.fallback_drafts == 1
-    assert all(count == 4 for count in generation.accepted[:-1]) and perfect._shape().ls == 6
+    assert all(count == 4 for count in generation.accepted[:-1]) and perfect.shape().ls == 6
 
 
 def test_a_draft_model_samples_the_target_distribution(tmp_path):

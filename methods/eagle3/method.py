@@ -15,18 +15,7 @@ from methods.base import Generation, HeadExport, ImportFormat, Method, Timer, pa
 from methods.eagle3.head import LAYOUTS, EagleConfig, EagleHead, HeadSession, head_tag, load_head, train_command
 from methods.eagle3.interop import check_export_target, export_head, import_eagle3, import_folder, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
-from methods.rounds import (
-    DRAFT_POSITIONS,
-    Beam,
-    Chain,
-    DraftShape,
-    Node,
-    Rounds,
-    rounds_on_trajectory,
-    target_prefill,
-    verify_beam,
-    verify_chain,
-)
+from methods.rounds import DraftShape, DraftTree, Outcome, RoundMethod, Rounds, TreeShape
 from methods.sampling import Sampler, draw
 from methods.stats import Stats, same
 from methods.teacher import Teacher
@@ -58,11 +47,10 @@ class EagleStats(Stats):
 
 
 @register
-class EAGLE3(Method):
+class EAGLE3(RoundMethod):
     name = "eagle3"
     Params = EagleParams
     Stats = EagleStats
-    positions = DRAFT_POSITIONS
     training_params = ("ttt", "layout")
     imports = {"eagle3": ImportFormat("An EAGLE-3 head folder (config.json + model.safetensors or pytorch_model.bin).",
                                       import_folder, ("ttt",))}
@@ -113,91 +101,31 @@ class EAGLE3(Method):
         super().__init__(target, params, stop_ids, checkpoint)
         self.head = head or load_head(target, params.ttt, params.layout, checkpoint)
         self.layers = self.head.config.all_feature_layers()
+        self._depths = None  # a beam's node depths, made once
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        timer = Timer(self.target.device)
-        first, captured = self.prefill(prompt_ids, sampler, timer)
-        if self.params.width == 1:
-            return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._chain_round)
-        return self._device_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self._beam_round)
+    @property
+    def depth(self) -> int:
+        return self.params.m
 
-    def prefill(self, prompt_ids: list[int], sampler: Sampler, timer: Timer) -> tuple[int, dict]:
-        """The prompt's target forward: the first token and the head's feature layers over the prompt."""
-        return target_prefill(self.target, self.layers, prompt_ids, sampler, timer)
+    def session(self, rounds: Rounds, captured: dict, sampler: Sampler, timer: Timer) -> EagleSession:
+        head = HeadSession.started(self.head, self.target.max_len, rounds.prompt_ids, rounds.output[0], captured)
+        return EagleSession(self, head)
 
     @torch.inference_mode()
     def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
                  ) -> Generation:
         """Chains: every round's acceptance from one batched training-time-test forward (methods/eagle3/replay.py).
-        Trees: the real drafting rounds, verified against the trajectory instead of a target forward. Tree drafts
-        are deterministic and the sibling rule emits a sample of p, accepting iff it is a candidate, so at T>0 the
-        replay is a sample of the executed process (its expected acceptance is the realised one: the target's
-        distributions off the trajectory are not known)."""
-        if self.params.width == 1:
-            teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
-            accepts = chain_accepts(self.head, teacher, self.params.m)
-            generation = replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids)
-            generation.stats = EagleStats(generation.stats.expected_accepts, draft=self._shape(),
-                                          candidates=self.params.m * generation.steps)
-            return generation
-        return rounds_on_trajectory(
-            lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
-                                                              verify),
-            self.target, prompt_ids, trajectory, self.layers, sampler)
+        Trees: the round kit's replay of the real drafting rounds."""
+        if self.params.width > 1:
+            return super().simulate(prompt_ids, trajectory, max_new_tokens, sampler)
+        teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
+        accepts = chain_accepts(self.head, teacher, self.params.m)
+        generation = replay_rounds(accepts, teacher, self.params.m, max_new_tokens, self.stop_ids)
+        generation.stats = EagleStats(generation.stats.expected_accepts, draft=self.shape(),
+                                      candidates=self.params.m * generation.steps)
+        return generation
 
-    def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
-                timer: Timer, verify) -> Generation:
-        """Draft, verify (`verify(nodes, last, base, sampler)` -> path, bonus, features), commit, until done."""
-        with timer("prefill"):
-            head = HeadSession.started(self.head, self.target.max_len, prompt_ids, first, captured)
-        rounds = Rounds([first], self.params.m, max_new_tokens, self.stop_ids)
-        candidates = 0
-        with timer("decode"):
-            while not rounds.done:
-                base = len(prompt_ids) + rounds.base  # position of the newest committed token
-                with timer("drafter"):
-                    nodes = self._draft(head, base, sampler)
-                with timer("verify"):
-                    path, bonus, features = verify(nodes, rounds.output[-1], base, sampler)
-                new = rounds.commit_path(nodes, path, bonus)
-                candidates += len(nodes)
-                with timer("drafter"):
-                    features = {layer: h[:, : len(new)] for layer, h in features.items()}
-                    head.append(new, features, start=base + 1)
-        return rounds.generation(timer.totals, EagleStats(candidates=candidates, draft=self._shape()))
-
-    def _device_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
-                       sampler: Sampler, timer: Timer, one_round) -> Generation:
-        """Rounds drafted, verified and decided on the device, each reading back once: `one_round(head, base, last,
-        sampler, timer)` -> (accepted drafts, committed tokens, features)."""
-        with timer("prefill"):
-            head = HeadSession.started(self.head, self.target.max_len, prompt_ids, first, captured)
-        rounds = Rounds([first], self.params.m, max_new_tokens, self.stop_ids)
-        with timer("decode"):
-            while not rounds.done:
-                base = len(prompt_ids) + rounds.base
-                count, tokens, features = one_round(head, base, rounds.output[-1], sampler, timer)
-                new = rounds.commit(tokens, count)
-                with timer("drafter"):
-                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
-        candidates = self.params.m * self.params.width * len(rounds.accepted)
-        return rounds.generation(timer.totals, EagleStats(candidates=candidates, draft=self._shape()))
-
-    def _chain_round(self, head: HeadSession, base: int, last: int, sampler: Sampler, timer: Timer):
-        with timer("drafter"):
-            drafts = self._draft_chain(head, base, sampler)
-        with timer("verify"):
-            return verify_chain(self.target, self.layers, drafts, last, base, sampler)
-
-    def _beam_round(self, head: HeadSession, base: int, last: int, sampler: Sampler, timer: Timer):
-        with timer("drafter"):
-            beam = self._draft_beam(head, base, sampler)
-        with timer("verify"):
-            accepted, tokens, features = verify_beam(self.target, self.layers, beam, last, base, sampler)
-        return len(accepted), tokens, features
-
-    def _draft_chain(self, head: HeadSession, base: int, sampler: Sampler) -> Chain:
+    def draft_chain(self, head: HeadSession, base: int, sampler: Sampler) -> DraftTree:
         """m drafts after the root, each the argmax (T=0) or a draw from q (T>0), fed back as tensors."""
         tokens, qs, state = [], [], head.root
         for depth in range(1, self.params.m + 1):
@@ -210,10 +138,10 @@ class EAGLE3(Method):
             tokens.append(token)
             if depth < self.params.m:
                 state = head.chain_row(token, state, base, depth)
-        return Chain(torch.cat(tokens), torch.stack(qs) if qs else None)
+        return DraftTree(torch.cat(tokens), q=torch.stack(qs) if qs else None)
 
-    def _draft_beam(self, head: HeadSession, base: int, sampler: Sampler) -> Beam:
-        """Trees: each level keeps the `width` best children by cumulative log-probability under the sampling
+    def draft_beam(self, head: HeadSession, base: int, sampler: Sampler) -> DraftTree:
+        """A beam: each level keeps the `width` best children by cumulative log-probability under the sampling
         settings (best_children's rule) with every choice, parent and ancestor mask on the device."""
         width, m, device = self.params.width, self.params.m, self.target.device
         ancestors = torch.zeros(m * width, m * width, dtype=torch.bool, device=device)
@@ -231,37 +159,44 @@ class EAGLE3(Method):
             parents.append(parent)
             if depth < m:
                 states = head.beam_rows(tokens[-1], states[:, rows], base, depth, own, ancestors)
-        return Beam(torch.cat(tokens), torch.cat(parents), ancestors, width)
+        return DraftTree(torch.cat(tokens), TreeShape(torch.cat(parents), self._beam_depths(), ancestors, m))
+
+    def _beam_depths(self) -> torch.Tensor:
+        """Node i of a beam lies at depth i // width + 1 (the same every round)."""
+        if self._depths is None:
+            count = self.params.m * self.params.width
+            self._depths = torch.arange(count, device=self.target.device) // self.params.width + 1
+        return self._depths
 
     def _draft_logits(self, states: torch.Tensor, base: int, depth: int) -> torch.Tensor:
         """Draft logits [rows, V] (full vocabulary) for position base + depth from the rows' states [1, rows, D]."""
         return self.head.full_vocab(self.head.head_logits(states))[0]
 
-    def _shape(self) -> DraftShape:
+    def shape(self) -> DraftShape:
         return DraftShape(self.target.num_layers, 1, self.params.m, self.params.width)
 
-    # --- drafting -------------------------------------------------------------------------------------------------
-    def _draft(self, head: HeadSession, base: int, sampler: Sampler) -> list[Node]:
-        """m levels of candidates after the root, parents before children (at most W per level)."""
-        width = self.params.width
-        nodes: list[Node] = []
-        frontier, states = [-1], head.root
-        for depth in range(1, self.params.m + 1):
-            level = self._children(nodes, frontier, self._draft_logits(states, base, depth), depth, width, sampler)
-            if depth == self.params.m:
-                break
-            states = head.draft_rows(nodes, level, base)
-            for i, index in enumerate(level):
-                nodes[index].state = states[:, i : i + 1]
-            frontier = level
-        return nodes
 
-    def _children(self, nodes: list[Node], frontier: list[int], logits: torch.Tensor, depth: int, width: int,
-                  sampler: Sampler) -> list[int]:
-        """Add the next level: the `width` best children by cumulative score."""
-        start = len(nodes)
-        scores = [nodes[i].score if i >= 0 else 0.0 for i in frontier]
-        for row, token, score in sampler.best_children(logits, scores, width):
-            nodes.append(Node(token, frontier[row], depth, score))
-        return list(range(start, len(nodes)))
+@dataclass
+class EagleSession:
+    """One generation's head (the round kit's RoundSession): it drafts a chain or a beam from its states and takes
+    the target's features of every committed token."""
 
+    method: EAGLE3
+    head: HeadSession
+    candidates: int = 0
+
+    def draft(self, rounds: Rounds, sampler: Sampler, timer: Timer) -> DraftTree:
+        with timer("drafter"):
+            method, base = self.method, rounds.position
+            tree = method.draft_chain(self.head, base, sampler) if method.params.width == 1 else \
+                method.draft_beam(self.head, base, sampler)
+        self.candidates += len(tree.tokens)
+        return tree
+
+    def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
+        with timer("drafter"):
+            features = {layer: h[:, : len(new)] for layer, h in outcome.features.items()}
+            self.head.append(new, features, start=rounds.position - len(new) + 1)
+
+    def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
+        return EagleStats(candidates=self.candidates, draft=self.method.shape()), {}

@@ -9,14 +9,13 @@ deterministic candidates keeps the output a sample of the target's distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 
 import torch
 
-from methods.base import Generation, Method, Timer, param, register
+from methods.base import Method, Timer, param, register
 from methods.lookup.length import DraftLength
-from methods.rounds import DRAFT_POSITIONS, Rounds, chain, rounds_on_trajectory, target_prefill, verify_round
+from methods.rounds import DraftTree, Outcome, RoundMethod, Rounds
 from methods.sampling import Sampler
 from methods.stats import Stats
 
@@ -58,17 +57,61 @@ class LookupStats(Stats):
     candidates: int | None = None  # draft tokens offered to the verifier
 
 
+@dataclass
+class LookupSession:
+    """One generation's lookups (the round kit's RoundSession): the search over the prompt and output so far, and
+    the cost-aware length's running acceptance."""
+
+    params: LookupParams
+    length: DraftLength | None
+    device: torch.device
+    found: list[int] = field(default_factory=list)
+    size: int = 0
+    offered: int = 0
+    matched: int = 0
+    candidates: int = 0
+
+    def draft(self, rounds: Rounds, sampler: Sampler, timer: Timer) -> DraftTree:
+        params = self.params
+        with timer("drafter"):
+            room = rounds.max_new_tokens - len(rounds.output)  # drafts past the budget could never be committed
+            self.found, self.size = match(rounds.prompt_ids + rounds.output, min(params.k, room), params.max_ngram,
+                                          params.min_ngram)
+            drafts = self.found if self.length is None else self.found[: self.length.choose(len(self.found),
+                                                                                             self.size)]
+            self.offered = len(drafts)
+            self.matched += bool(self.size)
+            self.candidates += len(drafts)
+            return DraftTree(torch.tensor(drafts, dtype=torch.long, device=self.device))
+
+    def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
+        if self.length is not None and self.found:
+            # a round that offered none still learns: its first find judged against the token the step chose
+            offered, kept = (self.offered, len(outcome.accepted)) if self.offered else \
+                (1, int(self.found[0] == outcome.tokens[-1]))
+            self.length.record(self.size, offered, kept)
+
+    def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
+        return LookupStats(matched_rounds=self.matched, candidates=self.candidates), {}
+
+
 @register
-class PromptLookup(Method):
+class PromptLookup(RoundMethod):
     name = "lookup"
     Params = LookupParams
     Stats = LookupStats
-    positions = DRAFT_POSITIONS
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # measured once, before any decode, so no generation's timing pays for it
         self.costs = self.target.forward_costs(self.params.k + 1) if self.params.length == "cost" else None
+
+    @property
+    def depth(self) -> int:
+        return self.params.k
+
+    def session(self, rounds: Rounds, captured: dict, sampler: Sampler, timer: Timer) -> LookupSession:
+        return LookupSession(self.params, DraftLength(self.costs) if self.costs else None, self.target.device)
 
     @classmethod
     def hf_peer(cls, params) -> dict:
@@ -88,44 +131,3 @@ class PromptLookup(Method):
     @classmethod
     def selfcheck_cases(cls, target) -> list[tuple[str, Method]]:
         return [("lookup k=10", cls(target, LookupParams(), set()))]
-
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        timer = Timer(self.target.device)
-        first, _ = target_prefill(self.target, (), prompt_ids, sampler, timer)
-        return self._rounds(prompt_ids, first, max_new_tokens, sampler, timer, partial(verify_round, self.target, ()))
-
-    @torch.inference_mode()
-    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
-                 ) -> Generation:
-        """The real lookups with the trajectory in place of the target's verification (exact at T=0; at T>0 the
-        realised acceptance, as EAGLE-3's tree replay)."""
-        return rounds_on_trajectory(
-            lambda first, _, timer, verify: self._rounds(prompt_ids, first, max_new_tokens, sampler, timer, verify),
-            self.target, prompt_ids, trajectory, (), sampler)
-
-    def _rounds(self, prompt_ids: list[int], first: int, max_new_tokens: int, sampler: Sampler, timer: Timer,
-                verify) -> Generation:
-        params = self.params
-        rounds = Rounds([first], params.k, max_new_tokens, self.stop_ids)
-        matched = candidates = 0
-        length = DraftLength(self.costs) if self.costs else None
-        with timer("decode"):
-            while not rounds.done:
-                base = len(prompt_ids) + rounds.base  # position of the newest committed token
-                with timer("drafter"):
-                    room = max_new_tokens - len(rounds.output)  # drafts past the budget could never be committed
-                    found, size = match(prompt_ids + rounds.output, min(params.k, room), params.max_ngram,
-                                        params.min_ngram)
-                    drafts = found if length is None else found[: length.choose(len(found), size)]
-                nodes = chain(drafts)
-                with timer("verify"):
-                    path, bonus, _ = verify(nodes, rounds.output[-1], base, sampler)
-                rounds.commit_path(nodes, path, bonus)
-                if length is not None and found:
-                    # a round that offered none still learns: its first find judged against the token the step chose
-                    offered, kept = (len(drafts), len(path)) if drafts else (1, int(found[0] == bonus))
-                    length.record(size, offered, kept)
-                matched += bool(size)
-                candidates += len(drafts)
-        return rounds.generation(timer.totals, LookupStats(matched_rounds=matched, candidates=candidates))

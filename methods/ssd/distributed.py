@@ -157,8 +157,8 @@ class DrafterServer:
         prompt = self._recv((prompt_len,), torch.long).tolist()
         speculation, timer = self.speculation, Timer(self.device)
         head = speculation.drafter.started(self.plan.max_len, prompt, first, self._features(prompt_len))
-        base, hits, counts, per_round = prompt_len, [], dict.fromkeys(STATS[:3], 0), []
-        mark = dict(timer.totals)  # a round's seconds: its fallback (on a miss), its speculation, its head update
+        base, hits, counts = prompt_len, [], dict.fromkeys(STATS[:3], 0)
+        # a round's lap: its fallback (on a miss), its speculation, its head update
         (drafts, _), cached = speculation.fallback(head, base, sampler, timer), False
         counts["fallback_drafts"] += len(drafts) > 0
         while True:
@@ -172,8 +172,7 @@ class DrafterServer:
             if not done:
                 with timer("head_update"):
                     head.append(new, features, start=base + 1)
-            per_round.append([timer.totals.get(name, 0.0) - mark.get(name, 0.0) for name in ROUND_SECONDS])
-            mark = dict(timer.totals)
+            timer.lap()
             if done:
                 break
             base += count
@@ -183,6 +182,7 @@ class DrafterServer:
                 drafts, _ = speculation.fallback(head, base, sampler, timer)
                 counts["fallback_drafts"] += len(drafts) > 0
         counts["cache_hits"] = sum(hits)
+        per_round = [[spent.get(name, 0.0) for name in ROUND_SECONDS] for spent in timer.laps[:-1]]
         self._send(torch.tensor(hits, dtype=torch.long))
         self._send(torch.tensor([counts[s] for s in STATS[:3]] + [timer.totals.get(s, 0.0) for s in STATS[3:]],
                                 dtype=torch.float64))

@@ -30,16 +30,15 @@ its decode time beside AR's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from harness.runtime.errors import HarnessError
 from methods.base import Generation, Method, Timer, param, register
 from methods.eagle3.head import EagleConfig, EagleHead, head_tag, train_command
-from methods.rounds import DRAFT_POSITIONS, DraftShape, Rounds, rounds_on_trajectory, target_prefill, verify_round
+from methods.rounds import DraftShape, DraftTree, Node, Outcome, RoundMethod, Rounds, target_prefill, verify
 from methods.sampling import Sampler
 from methods.ssd.drafters import build_drafter
 from methods.ssd.speculate import OracleSpeculation, Speculation, Unread
@@ -87,16 +86,6 @@ class SSDParams:
 
 
 @dataclass
-class _Round:
-    """Per-round bookkeeping of one generation."""
-
-    hits: list[int]  # 1 where the round's drafts came from the cache (never the first round)
-    modeled: float = 0.0  # seconds with drafting overlapped with verification
-    speculated: int = 0  # chains drafted into the cache
-    fallback_drafts: int = 0  # rounds whose drafts the fallback drafted (jit), the first included
-
-
-@dataclass
 class SSDStats(Stats):
     hits: list[int] | None = None  # per round: 1 where its drafts came from the speculation cache
     cache_hits: int | None = None
@@ -108,11 +97,10 @@ class SSDStats(Stats):
 
 
 @register
-class SSD(Method):
+class SSD(RoundMethod):
     name = "ssd"
     Params = SSDParams
     Stats = SSDStats
-    positions = DRAFT_POSITIONS
     serves = "the drafter's rank"
     drafts_with = "eagle3"  # its head is EAGLE-3's (methods/ssd/drafters.py)
 
@@ -195,9 +183,13 @@ class SSD(Method):
     def __init__(self, target, params: SSDParams, stop_ids, checkpoint=None, head=None):
         super().__init__(target, params, stop_ids, checkpoint)
         self.drafter = build_drafter(target, params, checkpoint, head)
+        self.layers = self.drafter.layers
         self.speculation = Speculation(self.drafter, params)  # the drafter side (a variant replaces it)
-        self.verify = partial(verify_round, target, self.drafter.layers)  # the round kit's verification forward
         self.remote = None  # the drafter's rank, under --executor distributed
+
+    @property
+    def depth(self) -> int:
+        return self.params.k
 
     def distribute(self, group, dtype: str):
         """Draft in a rank of `group` of its own from now on (methods/ssd/distributed.py)."""
@@ -206,15 +198,17 @@ class SSD(Method):
         self.remote = RemoteDrafter(group, self, dtype)
         return self.remote
 
+    def session(self, rounds: Rounds, captured: dict, sampler: Sampler, timer: Timer):
+        """Speculating rounds here, or the drafter's rank's (`--executor distributed`)."""
+        if self.remote is not None:
+            return RemoteSession(self, rounds, captured, sampler)
+        head = self.drafter.started(self.target.max_len, rounds.prompt_ids, rounds.output[0], captured)
+        return SSDSession(self, head)
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
-        timer = Timer(self.target.device)
         saved = None if sampler.generator is None else (sampler.generator.device, sampler.generator.get_state())
-        first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
-        if self.remote is not None:
-            generation = self._remote_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
-        else:
-            generation = self._rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer, self.verify)
+        generation = super().generate(prompt_ids, max_new_tokens, sampler)
         self._time_synchronous(generation, prompt_ids, max_new_tokens, Sampler(sampler.config, _restored(saved)))
         return generation
 
@@ -225,10 +219,20 @@ class SSD(Method):
         Saguaro). Its decode time and tokens go into SSD's record, so "vs synchronous" is measured per sample, as
         AR's is."""
         timer = Timer(self.target.device)
-        first, captured = target_prefill(self.target, self.drafter.layers, prompt_ids, sampler, timer)
+        first, captured = target_prefill(self.target, self.layers, prompt_ids, sampler, timer)
         synchronous = self.synchronous_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer)
         generation.timing["synchronous_decode"] = synchronous.timing["decode"]
         generation.stats.synchronous_tokens, generation.stats.synchronous_samples = len(synchronous.output_ids), 1
+
+    def synchronous_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
+                           sampler: Sampler, timer: Timer) -> Generation:
+        """Synchronous speculative decoding with SSD's drafter: each round drafts k tokens from the drafter's own
+        distribution (no cache, no Saguaro), then verifies them."""
+        def start(rounds, captured, sampler, timer):
+            return SynchronousSession(self, self.drafter.started(self.target.max_len, prompt_ids, first, captured))
+
+        return self.run_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer,
+                               partial(verify, self.target, self.layers), start)
 
     @classmethod
     def check_simulation(cls, params: SSDParams, temperature: float) -> None:
@@ -236,103 +240,104 @@ class SSD(Method):
             raise ValueError("ssd --simulate is exact only at T=0 (sampled chains need the target's distributions off "
                              "the trajectory); run it without --simulate or at --temperature 0")
 
-    @torch.inference_mode()
-    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
-                 ) -> Generation:
-        """The real rounds (drafts, cache, fallbacks) with the trajectory in place of the target's verification:
-        exact at T=0. At T>0 a sampled chain's acceptance depends on p off the trajectory, which a replay lacks."""
-        try:
-            self.check_simulation(self.params, 0.0 if sampler.greedy else sampler.config.temperature)
-        except ValueError as exc:
-            raise HarnessError(str(exc)) from None
-        return rounds_on_trajectory(
-            lambda first, prefix, timer, verify: self._rounds(prompt_ids, first, prefix, max_new_tokens, sampler, timer,
-                                                              verify),
-            self.target, prompt_ids, trajectory, self.drafter.layers, sampler)
-
-    def _rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
-                timer: Timer, verify) -> Generation:
-        """Speculate the next round, verify this one, take the next drafts from the cache or the fallback."""
-        speculation = self.speculation
-        with timer("prefill"):
-            head = self.drafter.started(self.target.max_len, prompt_ids, first, captured)
-        rounds, log = Rounds([first], self.params.k, max_new_tokens, self.stop_ids), _Round(hits=[])
-        drafts, cached = None, False  # nothing is cached before the first round
-        with timer("decode"):
-            while not rounds.done:
-                base = len(prompt_ids) + rounds.base  # position of the newest committed token
-                before = dict(timer.totals)
-                tokens, unread = None, Unread()  # a fallback's tokens are read back with the speculation's
-                if drafts is None:
-                    drafts, tokens = speculation.fallback(head, base, sampler, timer, unread)
-                    log.fallback_drafts += len(drafts) > 0
-                log.hits.append(int(cached))
-                with timer("speculate"):
-                    cache = speculation.speculate(head, base, drafts, sampler, tokens, unread)
-                with timer("verify"):
-                    path, bonus, features = verify(drafts, rounds.output[-1], base, sampler)
-                new = rounds.commit_path(drafts, path, bonus)
-                with timer("head_update"):
-                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
-                log.speculated += len(cache)
-                drafts = cache.get((len(path), bonus))
-                cached = drafts is not None
-                log.modeled += _modeled(before, timer.totals)
-        return rounds.generation({**timer.totals, "modeled": log.modeled},
-                                 SSDStats(hits=log.hits, cache_hits=sum(log.hits), fallback_drafts=log.fallback_drafts,
-                                          speculated=log.speculated, draft=self._shape()))
-
-    def synchronous_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
-                           sampler: Sampler, timer: Timer) -> Generation:
-        """Synchronous speculative decoding with SSD's drafter: each round drafts k tokens from the drafter's own
-        distribution (no cache, no Saguaro), then verifies them."""
-        with timer("prefill"):
-            head = self.drafter.started(self.target.max_len, prompt_ids, first, captured)
-        rounds = Rounds([first], self.params.k, max_new_tokens, self.stop_ids)
-        with timer("decode"):
-            while not rounds.done:
-                base = len(prompt_ids) + rounds.base
-                drafts = self.speculation.draft(head, base, sampler, timer)
-                with timer("verify"):
-                    path, bonus, features = self.verify(drafts, rounds.output[-1], base, sampler)
-                new = rounds.commit_path(drafts, path, bonus)
-                with timer("head_update"):
-                    head.append(new, {layer: h[:, : len(new)] for layer, h in features.items()}, start=base + 1)
-        return rounds.generation(timer.totals, SSDStats(draft=self._shape()))
-
-    def _remote_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
-                       sampler: Sampler, timer: Timer) -> Generation:
-        """The rounds with the drafter in its own rank: verify here, draft there (the same cache and fallbacks)."""
-        rounds = Rounds([first], self.params.k, max_new_tokens, self.stop_ids)
-        base, hits, drafter, verified, per_round = len(prompt_ids), [], {}, [], []
-        with timer("decode"):
-            if not rounds.done:
-                self.remote.start(prompt_ids, first, captured, sampler)
-                done = False
-                while not done:
-                    with timer("wait"):  # the drafter's head update and lookup, or its fallback
-                        drafts = self.remote.drafts()
-                    before = timer.totals.get("verify", 0.0)
-                    with timer("verify"):
-                        path, bonus, features = self.verify(drafts, rounds.output[-1], base, sampler)
-                    verified.append(timer.totals["verify"] - before)
-                    new = rounds.commit_path(drafts, path, bonus)
-                    done = rounds.done
-                    self.remote.outcome(len(path), bonus, new, {layer: h[:, : len(new)] for layer, h in
-                                                                features.items()}, done)
-                    base += len(new)
-                hits, drafter, per_round = self.remote.finish(len(rounds.accepted))
-        counts = {name: int(drafter.get(name, 0)) for name in ("cache_hits", "fallback_drafts", "speculated")}
-        # The one-process model from this run's own times: each round's verification against its speculation.
-        modeled = sum(_modeled({}, {"verify": seconds, **drafted}) for seconds, drafted in zip(verified, per_round))
-        timing = {**timer.totals, "modeled": modeled,
-                  **{f"drafter_{name}": drafter.get(name, 0.0) for name in ("speculate", "fallback", "head_update")}}
-        return rounds.generation(timing, SSDStats(hits=hits, **counts, executor=self.remote.report,
-                                                  draft=self._shape()))
-
-    def _shape(self) -> DraftShape:
+    def shape(self) -> DraftShape:
         """What the speedup formulas need: target layers, a drafted token's cost in target layers, k."""
         return DraftShape(self.target.num_layers, self.drafter.cost_layers, self.params.k)
+
+
+@dataclass
+class SSDSession:
+    """One generation's speculating drafter in this process (the round kit's RoundSession): each round takes its
+    drafts from the cache or the fallback, then speculates the next round's before the verification forward; the
+    modeled time takes the two as overlapped (laps: one a round)."""
+
+    method: SSD
+    head: object
+    drafts: list[Node] | None = None  # nothing is cached before the first round
+    cached: bool = False
+    cache: dict = field(default_factory=dict)
+    hits: list[int] = field(default_factory=list)  # 1 where the round's drafts came from the cache
+    fallback_drafts: int = 0  # rounds whose drafts the fallback drafted (jit), the first included
+    speculated: int = 0  # chains drafted into the cache
+
+    def draft(self, rounds: Rounds, sampler: Sampler, timer: Timer) -> DraftTree:
+        timer.lap()
+        speculation, base = self.method.speculation, rounds.position
+        tokens, unread = None, Unread()  # a fallback's tokens are read back with the speculation's
+        if self.drafts is None:
+            self.drafts, tokens = speculation.fallback(self.head, base, sampler, timer, unread)
+            self.fallback_drafts += len(self.drafts) > 0
+        self.hits.append(int(self.cached))
+        with timer("speculate"):
+            self.cache = speculation.speculate(self.head, base, self.drafts, sampler, tokens, unread)
+        self.speculated += len(self.cache)
+        return DraftTree.of_nodes(self.drafts, self.method.target.device)
+
+    def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
+        with timer("head_update"):
+            _append(self.head, rounds, outcome, new)
+        self.drafts = self.cache.get((len(outcome.accepted), outcome.tokens[-1]))
+        self.cached = self.drafts is not None
+
+    def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
+        modeled = sum(_modeled(spent) for spent in timer.laps[1:])
+        return SSDStats(hits=self.hits, cache_hits=sum(self.hits), fallback_drafts=self.fallback_drafts,
+                        speculated=self.speculated, draft=self.method.shape()), {"modeled": modeled}
+
+
+@dataclass
+class SynchronousSession:
+    """Synchronous rounds with SSD's drafter (the RoundSession SSD's record is timed beside)."""
+
+    method: SSD
+    head: object
+
+    def draft(self, rounds: Rounds, sampler: Sampler, timer: Timer) -> DraftTree:
+        drafts = self.method.speculation.draft(self.head, rounds.position, sampler, timer)
+        return DraftTree.of_nodes(drafts, self.method.target.device)
+
+    def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
+        with timer("head_update"):
+            _append(self.head, rounds, outcome, new)
+
+    def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
+        return SSDStats(draft=self.method.shape()), {}
+
+
+class RemoteSession:
+    """The rounds with the drafter in its own rank (`--executor distributed`): verify here, draft there (the same
+    cache and fallbacks); the driver waits for each round's drafts."""
+
+    def __init__(self, method: SSD, rounds: Rounds, captured: dict, sampler: Sampler):
+        self.method, self.remote = method, method.remote
+        if not rounds.done:
+            self.remote.start(rounds.prompt_ids, rounds.output[0], captured, sampler)
+
+    def draft(self, rounds: Rounds, sampler: Sampler, timer: Timer) -> DraftTree:
+        timer.lap()
+        with timer("wait"):  # the drafter's head update and lookup, or its fallback
+            return DraftTree.of_nodes(self.remote.drafts(), self.method.target.device)
+
+    def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
+        features = {layer: h[:, : len(new)] for layer, h in outcome.features.items()}
+        self.remote.outcome(len(outcome.accepted), outcome.tokens[-1], new, features, rounds.done)
+
+    def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
+        hits, drafter, per_round = self.remote.finish(len(rounds.accepted)) if rounds.accepted else ([], {}, [])
+        counts = {name: int(drafter.get(name, 0)) for name in ("cache_hits", "fallback_drafts", "speculated")}
+        # The one-process model from this run's own times: each round's verification against its speculation.
+        verified = [spent.get("verify", 0.0) for spent in timer.laps[1:]]
+        modeled = sum(_modeled({"verify": seconds, **drafted}) for seconds, drafted in zip(verified, per_round))
+        timing = {"modeled": modeled,
+                  **{f"drafter_{name}": drafter.get(name, 0.0) for name in ("speculate", "fallback", "head_update")}}
+        return SSDStats(hits=hits, **counts, executor=self.remote.report, draft=self.method.shape()), timing
+
+
+def _append(head, rounds: Rounds, outcome: Outcome, new: list[int]) -> None:
+    """The drafter takes the target's features of the committed tokens."""
+    features = {layer: h[:, : len(new)] for layer, h in outcome.features.items()}
+    head.append(new, features, start=rounds.position - len(new) + 1)
+
 
 def _restored(saved: tuple[torch.device, torch.Tensor] | None) -> torch.Generator | None:
     """A generator on its device in the saved state: the synchronous run starts from SSD's seed."""
@@ -344,8 +349,7 @@ def _restored(saved: tuple[torch.device, torch.Tensor] | None) -> torch.Generato
     return generator
 
 
-def _modeled(before: dict[str, float], after: dict[str, float]) -> float:
+def _modeled(spent: dict[str, float]) -> float:
     """One round with the drafter on its own device: the cache is drafted while the target verifies."""
-    spent = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     return max(spent.get("verify", 0.0), spent.get("speculate", 0.0)) + spent.get("head_update", 0.0) + \
         spent.get("fallback", 0.0)
