@@ -43,6 +43,16 @@ def qwen3_layers(config):
     return Qwen3DecoderLayer, qwen3
 
 
+def full_vocab(logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits [..., V'] as the target's [..., V] (-inf off the draft vocabulary; an empty
+    `draft_ids`: already the full vocabulary)."""
+    if draft_ids.numel() == 0:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., draft_ids] = logits
+    return full
+
+
 class DraftModule(nn.Module):
     """Base of the SPD speculator and the EAGLE-3 head: `layers`, `head`, `draft_ids` and the frozen target parts."""
 
@@ -116,11 +126,7 @@ class DraftModule(nn.Module):
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary logits back to the target's ids (-inf elsewhere)."""
-        if self.draft_ids.numel() == 0:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.draft_ids] = logits
-        return full
+        return full_vocab(logits, self.draft_ids, self.vocab_size)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._frozen[2](ids)

@@ -334,26 +334,39 @@ class RoundMethod(Method):
         except ValueError as exc:
             raise HarnessError(str(exc)) from None
         teacher = Teacher.run(self.target, prompt_ids, trajectory, self.layers, sampler)
-        start = teacher.prompt_len
-        prefix = {layer: h[:, :start] for layer, h in teacher.features.items()}
-        generation = self.run_rounds(prompt_ids, teacher.token(start), prefix, max_new_tokens, sampler,
-                                     Timer(self.target.device), trajectory_verifier(teacher))
-        generation.stats.expected_accepts = float(sum(generation.position_accepts))
-        return generation
+        return replay_on(teacher, self.session, self.depth, max_new_tokens, self.stop_ids)
 
     def run_rounds(self, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int, sampler: Sampler,
                    timer: Timer, verifier, start=None) -> Generation:
-        """Rounds from the first token until the budget or a stop id, each verified by `verifier(tree, last, base,
-        sampler)` -> Outcome; `start`: another session than `session` (its signature)."""
-        rounds = Rounds([first], self.depth, max_new_tokens, self.stop_ids, prompt_ids)
-        with timer("prefill"):
-            session = (start or self.session)(rounds, captured, sampler, timer)
-        with timer("decode"):
-            while not rounds.done:
-                tree = session.draft(rounds, sampler, timer)
-                with timer("verify"):
-                    outcome = verifier(tree, rounds.output[-1], rounds.position, sampler)
-                new = rounds.commit(outcome.tokens, len(outcome.accepted))
-                session.learn(rounds, outcome, new, timer)
-        stats, timing = session.finish(rounds, timer)
-        return rounds.generation({**timer.totals, **timing}, stats)
+        """`decode_rounds` with this method's session (`start`: another, of `session`'s signature)."""
+        return decode_rounds(start or self.session, self.depth, prompt_ids, first, captured, max_new_tokens,
+                             self.stop_ids, sampler, timer, verifier)
+
+
+def decode_rounds(start, depth: int, prompt_ids: list[int], first: int, captured: dict, max_new_tokens: int,
+                  stop_ids: set[int], sampler: Sampler, timer: Timer, verifier) -> Generation:
+    """Rounds from the first token until the budget or a stop id: `start(rounds, captured, sampler, timer)` gives the
+    RoundSession, `verifier(tree, last, base, sampler)` -> Outcome decides each round."""
+    rounds = Rounds([first], depth, max_new_tokens, stop_ids, prompt_ids)
+    with timer("prefill"):
+        session = start(rounds, captured, sampler, timer)
+    with timer("decode"):
+        while not rounds.done:
+            tree = session.draft(rounds, sampler, timer)
+            with timer("verify"):
+                outcome = verifier(tree, rounds.output[-1], rounds.position, sampler)
+            new = rounds.commit(outcome.tokens, len(outcome.accepted))
+            session.learn(rounds, outcome, new, timer)
+    stats, timing = session.finish(rounds, timer)
+    return rounds.generation({**timer.totals, **timing}, stats)
+
+
+def replay_on(teacher: Teacher, start, depth: int, max_new_tokens: int, stop_ids: set[int]) -> Generation:
+    """`decode_rounds` on a trajectory the teacher holds (its features in place of the target's)."""
+    prompt_len = teacher.prompt_len
+    prefix = {layer: h[:, :prompt_len] for layer, h in teacher.features.items()}
+    generation = decode_rounds(start, depth, teacher.ids[:prompt_len].tolist(), teacher.token(prompt_len), prefix,
+                               max_new_tokens, stop_ids, teacher.sampler, Timer(teacher.ids.device),
+                               trajectory_verifier(teacher))
+    generation.stats.expected_accepts = float(sum(generation.position_accepts))
+    return generation

@@ -111,19 +111,18 @@ def test_a_planted_verifier_bug_is_a_logic_divergence_in_the_record_and_on_the_b
     """Prompt lookup whose greedy verify also accepts the first draft the target rejected: its wrong tokens are
     logic divergences, marked DIVERGED on the bar; the same run without the bug is identical."""
     import methods.rounds as rounds
-    from methods.verify import verify_tree
+    from methods.verify import greedy_chain
 
-    def accepts_a_rejected_draft(parents, tokens, argmax):
-        path, bonus = verify_tree(parents, tokens, argmax)
-        after = [k for k, parent in enumerate(parents) if parent == (path[-1] if path else -1)]
-        return (path, bonus) if not after else (path + [after[0]], argmax[after[0] + 1])
+    def accepts_a_rejected_draft(draft, argmax):
+        count = torch.clamp(greedy_chain(draft, argmax)[0] + 1, max=len(draft))
+        return torch.stack([count, argmax[count]])
 
     args = ["run", "--model", str(tiny_dir), "--method", "lookup", "--k", "4", "--dataset", "humaneval",
             "--limit", "4", "--max-new-tokens", "24", "--data-dir", str(eval_dir)]
     clean = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "clean.jsonl")])
     assert clean.exit_code == 0, clean.output
     assert all(r["lossless"]["verdict"] == "identical" for r in _records(tmp_path / "clean.jsonl"))
-    monkeypatch.setattr(rounds, "verify_tree", accepts_a_rejected_draft)
+    monkeypatch.setattr(rounds, "greedy_chain", accepts_a_rejected_draft)
     planted = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "bug.jsonl")])
     assert planted.exit_code == 0, planted.output
     lossless = [r["lossless"] for r in _records(tmp_path / "bug.jsonl")]
