@@ -20,6 +20,8 @@ BENCH_SPD  := --method spd --n 8 --ls 4
 # The regression gate decodes with the shipped flagship and EAGLE-3.
 GATE_SPD   := $(BENCH_SPD)
 BENCH_EAGLE := --method eagle3 --m 7
+BENCH_LOOKUP := --method lookup --length cost
+BENCH_MEDUSA := --method medusa --heads 4
 
 # Regression gate: the shipped drafters decode fixed prompts in a fresh cache, checked against the committed baseline
 # prompt by prompt: losslessness exact, tokens/step and acceptance within their measured noise and the margin
@@ -53,6 +55,8 @@ bench: install
 	$(BIN)/spd-bench run --method autoregressive $(BENCH_ARGS) --out $(BENCH_OUT)/autoregressive.jsonl
 	$(BIN)/spd-bench run $(BENCH_SPD) $(BENCH_ARGS) --out $(BENCH_OUT)/spd.jsonl
 	$(BIN)/spd-bench run $(BENCH_EAGLE) $(BENCH_ARGS) --out $(BENCH_OUT)/eagle3.jsonl
+	$(BIN)/spd-bench run $(BENCH_LOOKUP) $(BENCH_ARGS) --out $(BENCH_OUT)/lookup.jsonl
+	$(BIN)/spd-bench run $(BENCH_MEDUSA) $(BENCH_ARGS) --out $(BENCH_OUT)/medusa.jsonl
 	$(BIN)/spd-bench report --summary --results $(BENCH_OUT)
 
 report: install

@@ -34,8 +34,8 @@ class SamplingConfig:
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of probabilities [..., V] (rows [...]; a scalar for [V]), on their device: the inverse CDF,
     one uniform per row against the running sum (float64, so a row's rounding cannot reach a token of mass 0).
-    `torch.multinomial` draws an exponential per vocabulary entry instead: 1.2 ms a row at the embedded model's 49k
-    tokens on 2 CPU threads, against 0.03 ms here, and a sampled SSD round draws a dozen rows."""
+    `torch.multinomial` draws an exponential per vocabulary entry instead, far slower at a real vocabulary, and a
+    sampled round draws many rows (the figures: docs/performance.md)."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand((*cdf.shape[:-1], 1), generator=generator, dtype=torch.float64, device=cdf.device)
     return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).clamp_max(cdf.shape[-1] - 1)[..., 0]

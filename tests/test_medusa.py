@@ -58,10 +58,9 @@ def test_greedy_output_is_identical_to_ar_and_the_replay_equals_execution(arch):
     assert executed.stats.candidates == 63 * executed.steps
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-def test_sampled_tokens_follow_the_target_distribution(arch):
+def test_sampled_tokens_follow_the_target_distribution():
     vocab = 4
-    model = flat_target(vocab, arch)
+    model = flat_target(vocab)  # the tree's linear-attention path is Qwen3.5's greedy test's (a T=1 run costs 40 s)
     tree = [[0], [1], [0, 0], [0, 1], [1, 0]]
     target = TargetRuntime(model, max_len=64)
     module = MedusaHeads(MedusaConfig(heads=2, num_layers=target.num_layers), target).eval()
@@ -107,7 +106,7 @@ def _published(folder, target, heads=2, layers=1, pt=False, seed=3):
     """A head folder as the Medusa authors' code saves it (one block object repeated per head)."""
     from safetensors.torch import save_file
 
-    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    hidden = target.config.hidden_size
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for i in range(heads):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from tqdm import tqdm
@@ -23,33 +23,78 @@ from methods.sampling import SamplingConfig
 REFERENCE_METHOD = "autoregressive"
 
 
+KEPT = object()  # an `omit` of no value: the entry is always in the key
+
+
+def option(default=None, *, key: str | None = None, omit=KEPT, value=None, record: str | None = None,
+           factory=None):
+    """A run option: its default, and where it goes. `key`: its entry in the configuration key (None: not there);
+    `omit`: a value whose entry is left out (options added after records were keyed keep earlier keys); `value`:
+    (config, raw) -> what the key holds; `record`: its name in the record (None: not stored)."""
+    metadata = {"key": key, "omit": omit, "value": value, "record": record}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _executor(config: RunConfig, executor: str) -> dict | None:
+    if executor != "distributed":
+        return None
+    return {"kind": "distributed", "world_size": len(config.stage_devices) + 1, "devices": config.stage_devices}
+
+
 @dataclass
 class RunConfig:
-    method: str = "autoregressive"
-    params: dict = field(default_factory=dict)
-    model: str = "smollm2-135m"
-    datasets: tuple[str, ...] = ("mt_bench", "gsm8k", "humaneval")
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    limit: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str | None = None
-    data_dir: str | None = None
-    out: Path | None = None
-    checkpoint: str | None = None
-    skip_missing: bool = False
-    baseline: bool = True  # time AR on every sample beside the method (wall-clock speedup measured side by side)
-    simulate: bool = False  # replay acceptance on the AR output instead of executing (methods/teacher.py)
-    executor: str = "local"  # "distributed": the method's served ranks in processes of their own (Method.served)
-    devices: str | None = None  # distributed: one device per served rank, comma list
-    timeout: float = 300.0  # distributed: the run deadline, seconds any rank may wait for another once all started
-    join_timeout: float = 900.0  # distributed: the start deadline (spawn, imports, loading what a rank serves)
-    compile: str = "off"  # the target's layer step: eager (off), compiled (on), compiled or eager saying why (auto)
-    turns: str = "first"  # the first user turn of each question (the paper's), or every turn as a conversation
-    kernels: str = field(default_factory=chosen)  # the CPU kernels (--kernels; harness/runtime/kernels.py)
+    """What names a run, from the command line (`spd-bench run`'s options and their defaults) through its
+    configuration key (`key_entries`) to its records (`recorded`)."""
+
+    method: str = option("autoregressive", key="method", record="method")
+    params: dict = option(key="params", record="params", factory=dict)
+    model: str = option("smollm2-135m")  # keyed by its weights' identity (the runner adds it)
+    datasets: tuple[str, ...] = option(("mt_bench", "gsm8k", "humaneval"))
+    temperature: float = option(0.0, key="temperature", record="temperature")
+    top_k: int = option(0, key="top_k", record="top_k")
+    top_p: float = option(1.0, key="top_p", record="top_p")
+    max_new_tokens: int = option(128, key="max_new_tokens", record="max_new_tokens")
+    limit: int | None = option(None)
+    seed: int = option(0, key="seed", record="seed")
+    device: str = option("cpu")  # keyed by its type (the runner adds it)
+    dtype: str | None = option(None, key="dtype", value=lambda c, _: c.dtype_name)
+    data_dir: str | None = option(None)
+    out: Path | None = option(None)
+    checkpoint: str | None = option(None)  # keyed by the drafter's weights (the runner adds them)
+    skip_missing: bool = option(False)
+    baseline: bool = option(True)  # time AR on every sample beside the method (wall-clock measured side by side)
+    simulate: bool = option(False, key="simulated", omit=False, record="simulated")  # replay on the AR output
+    executor: str = option("local", key="executor", omit=None, value=_executor)  # distributed: served ranks apart
+    devices: str | None = option(None)  # distributed: one device per served rank, comma list
+    timeout: float = option(300.0)  # distributed: seconds any rank may wait for another once all started
+    join_timeout: float = option(900.0)  # distributed: the start deadline (spawn, imports, loading a rank's share)
+    compile: str = option("off", key="compile", omit="off")  # the layer step: eager (off), compiled (on) or auto
+    turns: str = option("first", key="turns", omit="first", record="turns")  # first user turn, or all
+    kernels: str = option(key="kernels", omit="auto", factory=chosen)  # the CPU kernels (harness/runtime/kernels.py)
+
+    @classmethod
+    def default(cls, name: str):
+        """An option's default (the command line's)."""
+        found = next(f for f in fields(cls) if f.name == name)
+        return found.default_factory() if found.default is MISSING else found.default
+
+    def key_entries(self) -> dict:
+        """The options' entries in the configuration key."""
+        entries = {}
+        for f in fields(self):
+            meta = f.metadata
+            if meta["key"] is None:
+                continue
+            value = getattr(self, f.name) if meta["value"] is None else meta["value"](self, getattr(self, f.name))
+            if meta["omit"] is KEPT or value != meta["omit"]:
+                entries[meta["key"]] = value
+        return entries
+
+    def recorded(self) -> dict:
+        """The options every record stores, under their record names."""
+        return {f.metadata["record"]: getattr(self, f.name) for f in fields(self) if f.metadata["record"]}
 
     @property
     def stage_devices(self) -> list[str]:

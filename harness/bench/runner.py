@@ -55,27 +55,12 @@ def sample_keys(key: str, sample: Sample, turns: str) -> list[SampleKey]:
 
 
 def run_key(config: RunConfig, identity: ModelIdentity, device_type: str, drafter: str | None) -> str:
-    """The configuration key of a run's records: everything that defines it (method, parameters, model weights,
-    sampling, lengths, seed, dtype, device type, simulated or executed, executor, the drafter's weights:
-    `drafter_fingerprint`, a compiled step, kernels other than auto's, and the turns protocol when every turn
-    runs)."""
-    return config_key({
-        "method": config.method,
-        "params": config.params,
-        "model": identity.to_dict(),
-        **config.sampling().to_dict(),
-        "max_new_tokens": config.max_new_tokens,
-        "seed": config.seed,
-        "dtype": config.dtype_name,
-        "device": device_type,
-        **({"simulated": True} if config.simulate else {}),
-        **({"executor": {"kind": "distributed", "world_size": len(config.stage_devices) + 1,
-                         "devices": config.stage_devices}} if config.executor == "distributed" else {}),
-        **({"drafter": drafter} if drafter else {}),
-        **({"compile": config.compile} if config.compile != "off" else {}),
-        **({"kernels": config.kernels} if config.kernels != "auto" else {}),
-        **({"turns": config.turns} if config.turns != "first" else {}),
-    })
+    """The configuration key of a run's records: the options RunConfig keys (`key_entries`: method, parameters,
+    sampling, lengths, seed, dtype, simulated or executed, executor, a compiled step, kernels other than auto's, the
+    turns protocol when every turn runs), the model's weights, the device type and the drafter's weights
+    (`drafter_fingerprint`)."""
+    return config_key({**config.key_entries(), "model": identity.to_dict(), "device": device_type,
+                       **({"drafter": drafter} if drafter else {})})
 
 
 class Runner:
@@ -312,16 +297,10 @@ class Runner:
                 conditions: dict) -> Record:
         c = self.config
         return Record(
-            method=c.method,
-            params=c.params,
+            **c.recorded(),
             model=self.loaded.identity.to_dict(),
             dataset=sample.dataset,
             question_id=sample.question_id,
-            temperature=c.temperature,
-            top_k=c.top_k,
-            top_p=c.top_p,
-            max_new_tokens=c.max_new_tokens,
-            seed=c.seed,
             dtype=c.dtype_name,
             device=self.loaded.device.type,
             prompt_tokens=len(prompt),  # a later turn's: the conversation before it included
@@ -335,14 +314,12 @@ class Runner:
             timing={} if c.simulate else {k: round(v, 6) for k, v in generation.timing.items()},
             lossless=lossless,
             config_key=self.key,
-            simulated=c.simulate,
             versions=versions(),
             stats={**generation.stats.record(), "drafter": self.drafter,
                    "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
             prompt_source=sample.source,
             conditions=conditions,
             turn=turn,
-            turns=c.turns,
             baseline=None if baseline is None else {
                 "method": REFERENCE_METHOD,
                 "new_tokens": len(baseline.output_ids),

@@ -18,6 +18,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import click  # noqa: E402
 
+from harness.bench.config import RunConfig  # noqa: E402
 from harness.bench.data import DATASETS  # noqa: E402
 from harness.runtime.errors import HarnessError  # noqa: E402
 from harness.runtime.models import DEFAULT_MODEL  # noqa: E402
@@ -230,13 +231,14 @@ def kernels_option(expose: bool = True):
              "build (a row's result independent of the rows beside it, so verified drafts equal steps bit for bit), "
              "rows insists on them, torch keeps torch's (oneDNN/MKL and sdpa, as HF's own decoding runs).")
 compile_option = click.option(
-    "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
+    "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default=RunConfig.default("compile"),
+    show_default=True,
     help="Run the target's attention layers through torch.compile'd graphs (inductor; on a CPU a run of alike "
          "layers as one graph, on CUDA one layer a graph with static shapes replayed as CUDA graphs): on stops with "
          "the reason where it cannot compile, and auto falls back to eager saying why. Drafters' layers run the "
          "same way.")
 turns_option = click.option(
-    "--turns", type=click.Choice(["first", "all"]), default="first", show_default=True,
+    "--turns", type=click.Choice(["first", "all"]), default=RunConfig.default("turns"), show_default=True,
     help="MT-Bench: decode each question's first user turn (the paper's protocol), or all its turns as one "
          "conversation (Spec-Bench's and EAGLE's), a record per turn; other sets have one turn.")
 data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
@@ -251,9 +253,9 @@ def prompt_options(command):
         model_option,
         click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True,
                      callback=lambda c, p, v: _datasets(v), help="Comma-separated datasets."),
-        click.option("--max-new-tokens", type=int, default=128, show_default=True),
+        click.option("--max-new-tokens", type=int, default=RunConfig.default("max_new_tokens"), show_default=True),
         click.option("--limit", type=int, default=None, help="First N prompts per dataset."),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=int, default=RunConfig.default("seed"), show_default=True),
         device_option, dtype_option, data_option, simulate_option,
     ]
     for option in reversed(options):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import click
 
+from harness.bench.config import RunConfig
 from harness.bench.parity import parity_methods
 from harness.cli import (_method_options, _params, _values, compile_option, kernels_option, list_values, main,
                           param_options,
@@ -34,40 +36,33 @@ def _served() -> str:
               help="Results file (default results/<model>/<method>.jsonl).")
 @click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
 @click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
-@click.option("--executor", type=click.Choice(["local", "distributed"]), default="local", show_default=True,
+@click.option("--executor", type=click.Choice(["local", "distributed"]), default=RunConfig.default("executor"),
+              show_default=True,
               help="Run everything in this process, or give the method's served ranks processes of their own "
                    f"(torch.distributed, started here or by torchrun): {_served()}.")
 @click.option("--devices", default=None,
               help="--executor distributed: one device per served rank, e.g. cuda:1,cuda:2 (default: the --device "
                    "type).")
-@click.option("--timeout", type=float, default=300.0, show_default=True,
+@click.option("--timeout", type=float, default=RunConfig.default("timeout"), show_default=True,
               help="--executor distributed: the run deadline, seconds a rank may wait for another once every rank "
                    "has started, before the run fails.")
-@click.option("--join-timeout", type=float, default=900.0, show_default=True,
+@click.option("--join-timeout", type=float, default=RunConfig.default("join_timeout"), show_default=True,
               help="--executor distributed: the start deadline, seconds the ranks may take to start and load what "
                    "they serve (a spawned rank that exits meanwhile ends the wait at once).")
 @click.pass_context
-def run(ctx, method, param_pairs, model, datasets, temperature, top_k, top_p, max_new_tokens, limit, seed, device,
-        dtype, data_dir, turns, compile_mode, kernels, out, checkpoint, skip_missing, simulate, executor, devices,
-        timeout, join_timeout, **named):
+def run(ctx, param_pairs, compile_mode, **options):
     """Decode prompts with one method, check each output against greedy AR, record each sample.
 
     \b
     Example:
       spd-bench run --method spd --n 8 --ls 4 --limit 10
     """
-    from harness.bench.config import RunConfig
     from harness.bench.runner import run as run_config
 
-    params = {**_params(param_pairs), **_method_options(ctx.args),
-              **{k: v for k, v in named.items() if v is not None}}
-    config = RunConfig(
-        method=method, params=params, model=model, datasets=datasets, temperature=temperature,
-        top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, limit=limit, seed=seed, device=device, dtype=dtype,
-        data_dir=data_dir, out=out, checkpoint=checkpoint, skip_missing=skip_missing, simulate=simulate,
-        executor=executor, devices=devices, timeout=timeout, join_timeout=join_timeout, compile=compile_mode,
-        turns=turns, kernels=kernels,
-    )
+    names = {f.name for f in fields(RunConfig)}  # the run's own options; the rest are the method's parameters
+    named = {k: v for k, v in options.items() if k not in names and v is not None}
+    config = RunConfig(**{k: v for k, v in options.items() if k in names}, compile=compile_mode,
+                       params={**_params(param_pairs), **_method_options(ctx.args), **named})
     path = run_config(config)
     if path is not None:  # a torchrun stage rank writes nothing
         click.echo(f"results: {path}")
@@ -90,7 +85,6 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
     Example:
       spd-bench parity --method spd --n 4 --ls 1 --limit 3
     """
-    from harness.bench.config import RunConfig
     from harness.bench.parity import check as parity_check
 
     if simulate:

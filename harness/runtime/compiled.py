@@ -4,13 +4,11 @@ speculator's, a draft model's), run through `torch.compile`d functions (inductor
 
 On a CPU the unit is a run of alike attention layers (one class, equal weight shapes: a Llama's 30), compiled as one
 graph, `_layers_step`. Its layer is a nested compile region (`torch.compiler.nested_compile_region`): dynamo traces one
-layer and stamps it out for the others (the layer's weights are the region's inputs), so a 30-layer range compiles in
-seconds, where tracing it whole took over 15 minutes on 2 cores. A graph per layer instead pays dynamo's guard check
-and inductor's wrapper on each of the 30 calls (about 0.3 ms a call on this CPU, as much as fusing saves): on the
-embedded model the 30 layers of a one-token step took 27.3 ms as 30 compiled calls, 20.2 ms as one graph, against
-eager's 27.0 (Intel Xeon, 2 threads, 2026-12-06). The region reuse is keyed by hand (`reuse_hash_fn`): dynamo's own
-check refuses HF's layers, whose forward sets a context variable, so the runtime hands a graph only layers it has
-checked alike (`alike_runs`). A layer reads and writes its own keys and values tensors (nothing aliases another
+layer and stamps it out for the others (the layer's weights are the region's inputs), so a long range compiles in
+seconds where tracing it whole does not finish. A graph per layer instead pays dynamo's guard check and inductor's
+wrapper on every call, as much as fusing saves on a CPU (the figures: docs/performance.md, "The compiled step").
+The region reuse is keyed by hand (`reuse_hash_fn`): dynamo's own check refuses HF's layers, whose forward sets a
+context variable, so the runtime hands a graph only layers it has checked alike (`alike_runs`). A layer reads and writes its own keys and values tensors (nothing aliases another
 input) up to the call's end, a Python int, so nothing is looked up by index inside the graph. Shapes are static until
 one changes (dynamo's automatic dynamic shapes): a step compiles once for its first cache length and once more, with
 the length symbolic, for every later one; dynamo notes which sizes varied in its on-disk profile, so the next process
