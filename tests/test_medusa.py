@@ -174,3 +174,10 @@ def test_trained_heads_decode_losslessly_through_the_cli(tiny_dir, eval_dir, tmp
                                           "--limit", "2", "--max-new-tokens", "12", "--data-dir", str(eval_dir),
                                           "--simulate", "--out", str(tmp_path / "sim.jsonl")])
     assert simulated.exit_code == 0, simulated.output
+    answers = tmp_path / "answers"
+    exported = CliRunner().invoke(main, ["export", "--format", "spec-bench", "--results", str(out), "--out",
+                                         str(answers)])
+    assert exported.exit_code == 0, exported.output
+    (answer_file,) = answers.glob("*medusa*.jsonl")
+    lines = [json.loads(line) for line in answer_file.read_text().splitlines()]
+    assert len(lines) == 2 and all(line["choices"][0]["new_tokens"] for line in lines)

@@ -195,3 +195,20 @@ def test_sampler_top_k_and_top_p_keep_the_expected_support():
     top_p = Sampler(SamplingConfig(temperature=1.0, top_p=0.75)).probs(logits)
     assert torch.allclose(top_p, torch.tensor([0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0]))
     assert Sampler(SamplingConfig()).pick(logits) == 0
+
+
+def test_the_device_greedy_walk_equals_the_host_walk_on_random_sparse_trees():
+    """rounds.greedy_walk (any tree, on the device) against verify_tree (the host walk) on trees of every shape."""
+    import random
+
+    from methods.rounds import TreeShape, greedy_walk
+
+    rng = random.Random(0)
+    for _ in range(300):
+        count = rng.randint(1, 12)
+        parents = [rng.randint(-1, i - 1) for i in range(count)]
+        tokens = [rng.randint(0, 3) for _ in range(count)]
+        argmax = [rng.randint(0, 3) for _ in range(count + 1)]
+        shape = TreeShape.of_parents(parents, torch.device("cpu"))
+        *walk, bonus = greedy_walk(shape, torch.tensor(tokens), torch.tensor(argmax)).tolist()
+        assert ([node for node in walk if node >= 0], bonus) == verify_tree(parents, tokens, argmax)
