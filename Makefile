@@ -21,7 +21,7 @@ BENCH_SPD  := --method spd --n 8 --ls 4
 GATE_SPD   := $(BENCH_SPD)
 BENCH_EAGLE := --method eagle3 --m 7
 BENCH_LOOKUP := --method lookup --length cost
-BENCH_MEDUSA := --method medusa --heads 4
+BENCH_MEDUSA := --method medusa --heads 4 --tree small_5  # the paper's 63-node tree costs a CPU 4x a step
 
 # Regression gate: the shipped drafters decode fixed prompts in a fresh cache, checked against the committed baseline
 # prompt by prompt: losslessness exact, tokens/step and acceptance within their measured noise and the margin

@@ -15,7 +15,7 @@ from harness.runtime.target import TargetRuntime
 from methods.base import ImportFormat, Method, Timer, param, register
 from methods.medusa.heads import MedusaConfig, MedusaHeads, heads_tag, load_heads, train_command
 from methods.medusa.interop import import_folder, import_medusa, is_medusa_folder
-from methods.medusa.tree import NAMED, CandidateTree, read_paths
+from methods.medusa.tree import CandidateTree, read_paths
 from methods.medusa.session import MedusaSession, MedusaStats, Oracle
 from methods.rounds import DraftShape, RoundMethod, Rounds
 from methods.sampling import Sampler
@@ -24,9 +24,9 @@ from methods.sampling import Sampler
 @dataclass(frozen=True)
 class MedusaParams:
     heads: int = param(4, "Medusa heads: which trained drafter (head k guesses k + 1 tokens past the next).")
-    tree: str = param("mc_sim_7b_63", f"The candidate tree: {' or '.join(NAMED)} (the Medusa paper's sparse tree, 63 "
-                                      f"nodes, 4 deep) or a JSON file of paths [[0], [0, 0], [1], ...] (each node's "
-                                      f"rank among its head's guesses per depth).")
+    tree: str = param("mc_sim_7b_63", "The candidate tree: mc_sim_7b_63 (the Medusa paper's sparse tree, 63 nodes, 4 "
+                                      "deep), small_5 (5 nodes, for a CPU) or a JSON file of paths [[0], [0, 0], [1], "
+                                      "...] (each node's rank among its head's guesses per depth).")
 
     def __post_init__(self):
         if self.heads < 1:

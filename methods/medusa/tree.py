@@ -2,7 +2,8 @@
 k's i_k-th best guess (0: its top token), the path's prefix its parent.
 
 The default is the Medusa authors' `mc_sim_7b_63`, the sparse tree their paper decodes with (63 nodes, 4 deep, found
-by simulating acceptance on Vicuna-7B); another tree comes from a JSON file of such paths.
+by simulating acceptance on Vicuna-7B); `small_5` is a tree for a CPU; another tree comes from a JSON file of such
+paths.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ MC_SIM_7B_63 = (
     (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0), (3, 1),
     (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
 )
-NAMED = {"mc_sim_7b_63": MC_SIM_7B_63}
+# Five nodes, a verify a CPU affords: head 1's top two guesses and the top-1 chain of heads 1-4 (a 64-row verify
+# costs a CPU several one-token steps, a GPU about one).
+SMALL_5 = ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+NAMED = {"mc_sim_7b_63": MC_SIM_7B_63, "small_5": SMALL_5}
 
 
 def read_paths(spec: str) -> tuple[tuple[int, ...], ...]:
