@@ -206,15 +206,7 @@ def verify(target: TargetRuntime, layers: tuple[int, ...], tree: DraftTree, last
     h, captured = target.run_layers(0, target.num_layers, target.embed(ids), positions, slots=slots, mask=mask,
                                     parents=parents, capture=layers)
     logits = target.logits(h)  # row 0: after the root; row i + 1: after node i
-    walked = not tree.is_chain or (not sampler.greedy and tree.q is None)  # the sibling rule walks even a chain
-    if sampler.greedy:
-        decision = greedy_walk(tree.tree_shape(), tree.tokens, logits.argmax(-1)) if not tree.is_chain \
-            else greedy_chain(tree.tokens, logits.argmax(-1))
-    elif tree.q is not None:
-        decision = chain_rejection_on_device(tree.tokens, tree.q, sampler.probs(logits), sampler.generator)
-    else:
-        decision = tree_rejection_on_device(tree.tree_shape().parents, tree.tokens, sampler.probs(logits),
-                                            tree.levels, sampler.generator)
+    decision, walked = _decide(tree, logits, sampler)
     shown = [decision, tree.tokens] if tree.is_chain else [decision, tree.tokens, tree.shape.parents]
     read = torch.cat(shown).tolist()  # the round's one read back
     head = tree.levels + 1 if walked else 2
@@ -229,6 +221,19 @@ def verify(target: TargetRuntime, layers: tuple[int, ...], tree: DraftTree, last
     features = {layer: h[:, rows] for layer, h in captured.items()} if walked else \
         {layer: h[:, : len(rows)] for layer, h in captured.items()}
     return Outcome(accepted, [tokens[i] for i in accepted] + [bonus], features)
+
+
+def _decide(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, bool]:
+    """The round's decision on the device, and whether it is a walk ([levels] accepted nodes, then the next token)
+    rather than a chain's [accepted count, next token]: the sibling rule walks even a chain."""
+    if sampler.greedy:
+        if tree.is_chain:
+            return greedy_chain(tree.tokens, logits.argmax(-1)), False
+        return greedy_walk(tree.shape, tree.tokens, logits.argmax(-1)), True
+    if tree.q is not None:
+        return chain_rejection_on_device(tree.tokens, tree.q, sampler.probs(logits), sampler.generator), False
+    return tree_rejection_on_device(tree.tree_shape().parents, tree.tokens, sampler.probs(logits), tree.levels,
+                                    sampler.generator), True
 
 
 def _tree_rows(shape: TreeShape, base: int, linear: bool, device):
@@ -285,6 +290,12 @@ def trajectory_verifier(teacher: Teacher):
         return Outcome(path, [tokens[i] for i in path] + [bonus], features)
 
     return replayed
+
+
+def feed(head, rounds: Rounds, outcome: Outcome, new: list[int]) -> None:
+    """A drafter that reads target features (`head.append`) takes those of the tokens the round committed."""
+    features = {layer: h[:, : len(new)] for layer, h in outcome.features.items()}
+    head.append(new, features, start=rounds.position - len(new) + 1)
 
 
 class RoundSession(Protocol):

@@ -10,6 +10,7 @@ methods/eagle3/interop.py: EAGLE-3 folders).
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def load_weights_only(path: Path, what: str):
                            f"file") from None
     except (RuntimeError, EOFError, ValueError, OSError, KeyError) as exc:
         raise HarnessError(f"{path} is not a readable {what} ({first_line(exc, 160)}); pass a valid file") from None
+
+
+def read_config(folder: Path, kind: str):
+    """A published drafter folder's config.json, or one line saying it is missing or not JSON (`kind`: "an EAGLE-3
+    head folder", say)."""
+    if not (folder / "config.json").is_file():
+        raise HarnessError(f"{folder} has no config.json; pass {kind}")
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except ValueError as exc:
+        raise HarnessError(f"{folder}/config.json is not JSON ({exc}); restore the file") from None
 
 
 def integer(path: Path, name: str, value, low: int = 1) -> int:

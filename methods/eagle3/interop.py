@@ -16,7 +16,7 @@ import torch
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError, first_line
 from harness.runtime.files import Outputs
-from harness.runtime.foreign import check_weights, integer, integers, load_weights_only, save_imported
+from harness.runtime.foreign import check_weights, integer, integers, load_weights_only, read_config, save_imported
 from harness.runtime.paths import check_out_path
 from harness.runtime.target import TargetRuntime
 from methods.eagle3.head import EagleConfig, EagleHead, default_feature_layers, head_tag, target_shape, train_command
@@ -44,12 +44,7 @@ def read_eagle3(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise HarnessError(f"{folder} has no config.json; pass an EAGLE-3 head folder")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except ValueError as exc:
-        raise HarnessError(f"{folder}/config.json is not JSON ({exc}); restore the file") from None
+    config = read_config(folder, "an EAGLE-3 head folder")
     architectures = config.get("architectures") if isinstance(config, dict) else None
     if not isinstance(architectures, list) or not any(isinstance(a, str) and "Eagle3" in a for a in architectures):
         raise HarnessError(f"{folder} is not an EAGLE-3 head (architectures {architectures}); pass one whose "

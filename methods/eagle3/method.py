@@ -15,7 +15,7 @@ from methods.base import Generation, HeadExport, ImportFormat, Method, Timer, pa
 from methods.eagle3.head import LAYOUTS, EagleConfig, EagleHead, HeadSession, head_tag, load_head, train_command
 from methods.eagle3.interop import check_export_target, export_head, import_eagle3, import_folder, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
-from methods.rounds import DraftShape, DraftTree, Outcome, RoundMethod, Rounds, TreeShape
+from methods.rounds import DraftShape, DraftTree, Outcome, RoundMethod, Rounds, TreeShape, feed
 from methods.sampling import Sampler, draw
 from methods.stats import Stats, same
 from methods.teacher import Teacher
@@ -195,8 +195,7 @@ class EagleSession:
 
     def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
         with timer("drafter"):
-            features = {layer: h[:, : len(new)] for layer, h in outcome.features.items()}
-            self.head.append(new, features, start=rounds.position - len(new) + 1)
+            feed(self.head, rounds, outcome, new)
 
     def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
         return EagleStats(candidates=self.candidates, draft=self.method.shape()), {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from harness.runtime.errors import HarnessError
-from harness.runtime.foreign import check_weights, integer, load_weights_only, save_imported
+from harness.runtime.foreign import check_weights, integer, load_weights_only, read_config, save_imported
 from harness.runtime.target import TargetRuntime
 from methods.medusa.heads import MedusaConfig, MedusaHeads, heads_tag
 
@@ -34,12 +34,7 @@ def read_medusa(folder: Path) -> tuple[int, int, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise HarnessError(f"{folder} has no config.json; pass a Medusa head folder")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except ValueError as exc:
-        raise HarnessError(f"{folder}/config.json is not JSON ({exc}); restore the file") from None
+    config = read_config(folder, "a Medusa head folder")
     if not isinstance(config, dict) or "medusa_num_heads" not in config:
         raise HarnessError(f"{folder} is not a Medusa head folder (its config.json names no medusa_num_heads)")
     heads = integer(folder / "config.json", "medusa_num_heads", config["medusa_num_heads"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods.base import ImportFormat, Method, Timer, param, register
 from methods.medusa.heads import MedusaConfig, MedusaHeads, heads_tag, load_heads, train_command
@@ -51,7 +52,9 @@ class Medusa(RoundMethod):
         super().__init__(target, params, stop_ids, checkpoint)
         self.heads = heads or load_heads(target, params.heads, checkpoint)
         if self.heads.config.heads < params.heads:
-            raise ValueError(f"the drafter has {self.heads.config.heads} heads, fewer than --heads {params.heads}")
+            have = self.heads.config.heads
+            raise HarnessError(f"{checkpoint or 'the drafter'} has {have} heads, fewer than --heads {params.heads}; "
+                               f"pass --heads {have} (with a tree at most that deep)")
         self.layers = self.heads.config.all_feature_layers()
         self.tree = CandidateTree.of(read_paths(params.tree), target.device)
         self.oracle: Oracle | None = None

@@ -38,7 +38,7 @@ import torch
 
 from methods.base import Generation, Method, Timer, param, register
 from methods.eagle3.head import EagleConfig, EagleHead, head_tag, train_command
-from methods.rounds import DraftShape, DraftTree, Node, Outcome, RoundMethod, Rounds, target_prefill, verify
+from methods.rounds import DraftShape, DraftTree, Node, Outcome, RoundMethod, Rounds, feed, target_prefill, verify
 from methods.sampling import Sampler
 from methods.ssd.drafters import build_drafter
 from methods.ssd.speculate import OracleSpeculation, Speculation, Unread
@@ -229,7 +229,8 @@ class SSD(RoundMethod):
         """Synchronous speculative decoding with SSD's drafter: each round drafts k tokens from the drafter's own
         distribution (no cache, no Saguaro), then verifies them."""
         def start(rounds, captured, sampler, timer):
-            return SynchronousSession(self, self.drafter.started(self.target.max_len, prompt_ids, first, captured))
+            head = self.drafter.started(self.target.max_len, rounds.prompt_ids, rounds.output[0], captured)
+            return SynchronousSession(self, head)
 
         return self.run_rounds(prompt_ids, first, captured, max_new_tokens, sampler, timer,
                                partial(verify, self.target, self.layers), start)
@@ -275,7 +276,7 @@ class SSDSession:
 
     def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
         with timer("head_update"):
-            _append(self.head, rounds, outcome, new)
+            feed(self.head, rounds, outcome, new)
         self.drafts = self.cache.get((len(outcome.accepted), outcome.tokens[-1]))
         self.cached = self.drafts is not None
 
@@ -298,7 +299,7 @@ class SynchronousSession:
 
     def learn(self, rounds: Rounds, outcome: Outcome, new: list[int], timer: Timer) -> None:
         with timer("head_update"):
-            _append(self.head, rounds, outcome, new)
+            feed(self.head, rounds, outcome, new)
 
     def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict]:
         return SSDStats(draft=self.method.shape()), {}
@@ -331,12 +332,6 @@ class RemoteSession:
         timing = {"modeled": modeled,
                   **{f"drafter_{name}": drafter.get(name, 0.0) for name in ("speculate", "fallback", "head_update")}}
         return SSDStats(hits=hits, **counts, executor=self.remote.report, draft=self.method.shape()), timing
-
-
-def _append(head, rounds: Rounds, outcome: Outcome, new: list[int]) -> None:
-    """The drafter takes the target's features of the committed tokens."""
-    features = {layer: h[:, : len(new)] for layer, h in outcome.features.items()}
-    head.append(new, features, start=rounds.position - len(new) + 1)
 
 
 def _restored(saved: tuple[torch.device, torch.Tensor] | None) -> torch.Generator | None:
