@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from methods.base import Generation, Method, Timer, register
+from methods.capabilities import Reports
 from methods.sampling import Sampler
 
 
 @register
-class Autoregressive(Method):
+class Autoregressive(Method, Reports):
     name = "autoregressive"
 
     @classmethod

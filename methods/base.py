@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
@@ -30,21 +28,6 @@ class Generation:
     timing: dict[str, float] = field(default_factory=dict)  # seconds: prefill, decode, components
     stats: Stats = field(default_factory=Stats)  # the family's counters and shape (its Method.Stats)
     drafts: dict = field(default_factory=dict)  # what its drafter proposed (methods/drafts.py), set by the runner
-
-
-class ParityCheck(Protocol):
-    """A family's parity figures over one trajectory, pooled with `add` over prompts."""
-
-    lossless: bool  # the method's output equalled the trajectory
-
-    @property
-    def disagree(self) -> int: ...  # states where decoding and training disagree beyond near-ties
-
-    def add(self, other) -> None: ...
-
-    def record(self) -> dict: ...  # the record's figures
-
-    def table(self) -> str: ...  # what the command prints
 
 
 class Timer:
@@ -106,113 +89,19 @@ class Timer:
 
 
 @dataclass(frozen=True)
-class ExportFormat:
-    """A family's records in another tool's per-sample format (`spd-bench export --format NAME`)."""
-
-    sample: Callable[[dict, int, str | None], dict]  # (record, index in its file, the prompt text) -> one line
-    suffix: str  # after the configuration's name in the file name
-    about: str  # for --help
-
-
-@dataclass(frozen=True)
-class ImportFormat:
-    """A drafter published in another tool's format: `spd-bench import --NAME PATH` (and `run --checkpoint PATH`,
-    through `Method.import_checkpoint`) converts it into the drafter cache."""
-
-    about: str  # for --help
-    convert: Callable[[Path, TargetRuntime, object, bool], Path]  # (path, target, params, force) -> cached folder
-    params: tuple[str, ...] = ()  # the method's parameters that say where it is filed (options of `import`)
-
-
-@dataclass(frozen=True)
-class HeadExport:
-    """A trained drafter written in another tool's format (`spd-bench export-head`)."""
-
-    about: str  # for --help
-    check: Callable[[Path, bool], None]  # (out, replace): the destination is usable, before anything loads
-    write: Callable[[str, object, str | None, Path, bool], Path]  # (model, params, checkpoint, out, replace) -> out
-    params: tuple[str, ...] = ()  # the method's parameters that pick the drafter (options of `export-head`)
-
-
-@dataclass(frozen=True)
-class PositionAxis:
-    """What a family's accepts per position count (Generation.position_accepts): a round's draft positions, or a
-    pipeline's fill levels; the report gives each axis a table and a figure panel."""
-
-    label: str  # a column's prefix: "pos 0"
-    title: str  # the table's title
-    name: str  # the figure's axis
-
-
-@dataclass(frozen=True)
 class NoParams:
     """Parameters of a method that has none."""
 
 
 class Method(ABC):
-    """A decoding method. Subclasses set `name`, `Params` (a frozen dataclass), `Stats` (what its generations record,
-    methods/stats.py) and implement `generate`; a family with its own speedup model overrides the figure hooks below
-    (they read a pooled summary: harness/reporting/metrics.py's `Summary`, with tokens/step, the family's pooled
-    `stats` and the summed timings)."""
+    """A decoding method: `name`, `Params` (a frozen dataclass of `param` fields), `Stats` (what its generations
+    record, methods/stats.py) and `generate`. Whatever else a family offers (report figures, a trained drafter,
+    foreign formats, ranks of its own, acceptance replay, self-checks, parity, an HF peer) it declares as the
+    capabilities of methods/capabilities.py."""
 
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
     Stats: ClassVar[type[Stats]] = Stats
-    positions: ClassVar[PositionAxis | None] = None  # what position_accepts counts (None: the method drafts nothing)
-    trainable: ClassVar[bool] = False  # whether `spd-bench train` builds drafters for it (`training_specs`)
-    training_params: ClassVar[tuple[str, ...]] = ()  # Params fields `spd-bench train` takes as comma lists
-    training_options: ClassVar[dict[str, tuple[type, str]]] = {}  # training-only options: name -> (type, help)
-    imports: ClassVar[dict[str, ImportFormat]] = {}  # foreign drafter formats `spd-bench import` converts
-    head_export: ClassVar[HeadExport | None] = None  # `spd-bench export-head`: the trained drafter, foreign format
-    serves: ClassVar[str] = ""  # what `--executor distributed` gives ranks of their own (see `served`)
-    drafts_with: ClassVar[str | None] = None  # the family whose trained drafter it uses, where not its own
-
-    @classmethod
-    def drafter_family(cls) -> str:
-        """The family its trained drafter is filed under (the drafter cache's and drafters/' folder names)."""
-        return cls.drafts_with or cls.name
-
-    @classmethod
-    def training_specs(cls, values: dict[str, list]) -> list:
-        """The drafters `spd-bench train` builds for this family from the option values it lists (n, ls, schedule,
-        ttt, layout; an empty list: the family's default); each family's objective.py says what it trains on."""
-        raise NotImplementedError(f"{cls.name} trains no drafter")
-
-    @classmethod
-    def theoretical_speedup(cls, summary) -> float | None:
-        return None
-
-    @classmethod
-    def modeled_speedup(cls, summary) -> float | None:
-        return None
-
-    @classmethod
-    def l_acc(cls, summary) -> float | None:
-        """Accepted layers per cycle relative to the slowest device's (pipeline families); None where undefined."""
-        return None
-
-    @classmethod
-    def reference_speedup(cls, summary) -> float | None:
-        """The theoretical speedup as the family's reference code defines it, where that differs from ours."""
-        return None
-
-    breakdown_note: ClassVar[str] = ""  # what the phases of `cycle_breakdown` are (the note under the report's table)
-
-    @classmethod
-    def cycle_breakdown(cls, summary) -> dict[str, float | None] | None:
-        """Executed runs: ms per step of each serial phase on the driver, in order (they add up to the next key,
-        "cycle"), then any further figure (None where not measured), for the report's breakdown table and figure;
-        None: the family times none."""
-        return None
-
-    exports: ClassVar[dict[str, ExportFormat]] = {}  # formats of the family's own (Spec-Bench's is every method's)
-
-    figures_note: ClassVar[str] = ""  # how the family's own figures are defined (the note under its report table)
-
-    @classmethod
-    def figures(cls, summary) -> dict[str, float | None]:
-        """Figures of the family's own, from a pooled summary: the report gives each family with any a table."""
-        return {}
 
     def __init__(self, target: TargetRuntime, params, stop_ids: set[int], checkpoint: str | None = None):
         self.target = target
@@ -221,78 +110,12 @@ class Method(ABC):
         self.checkpoint = checkpoint
 
     @classmethod
-    def hf_peer(cls, params) -> dict | None:
-        """HF `generate`'s own implementation of this method with these parameters, as keyword arguments to
-        `generate` (`spd-bench bench peer`); None: HF has none."""
-        return None
-
-    @classmethod
-    def drafter(cls, params) -> tuple[str, str] | None:
-        """The trained drafter these parameters need: (checkpoint tag, the command that trains it); None: no drafter.
-        It is filed under the family `drafts_with` names, or this one's."""
-        return None
-
-    @classmethod
-    def import_checkpoint(cls, path: Path, loaded, params) -> tuple[Path, dict] | None:
-        """`--checkpoint path` naming a drafter published in a foreign format this family reads, converted into the
-        drafter cache for the target `loaded`: (the cached folder, parameters the run takes with it). None: not
-        such a drafter (a drafter folder of ours is used as it is)."""
-        return None
-
-    @classmethod
-    def served(cls, params) -> tuple[int, str] | None:
-        """How many ranks `--executor distributed` serves besides the driver, and why that many (for errors); None:
-        the family runs in one process only. A family that serves ranks also defines `distribute(group, dtype)`."""
-        return None
-
-    @classmethod
-    def relative_cost(cls, params, simulate: bool) -> float:
-        """A sample's rough cost against autoregressive decoding's 1 (AR timed beside it included), for balancing a
-        sweep's shards: a replay costs about one teacher-forced pass beside AR; executed in one process, each rank
-        the family serves (pipeline stages, a drafter) runs its share one after another."""
-        served = cls.served(params)
-        return 2.0 if simulate else 3.0 + (served[0] if served else 0)
-
-    @classmethod
     def check_model(cls, params, num_layers: int) -> None:
         """Raise ValueError when these parameters cannot run on a target with `num_layers` layers."""
-
-    @classmethod
-    def check_simulation(cls, params, temperature: float) -> None:
-        """Raise ValueError when `--simulate` cannot replay these parameters at `temperature` (checked before
-        anything loads)."""
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler) -> Generation:
         """Decode up to `max_new_tokens` tokens (stopping after any stop id) for one prompt."""
-
-    @classmethod
-    def selfcheck_cases(cls, target: TargetRuntime) -> list[tuple[str, Method]]:
-        """`spd-bench selfcheck`: (label, method) instances on `target` with random drafters (no checkpoints)."""
-        return []
-
-    @classmethod
-    def selfcheck_distributed(cls, target: TargetRuntime, scratch: Path) -> tuple[str, Method, int] | None:
-        """`spd-bench selfcheck`: one instance for `--executor distributed` (label, method, served ranks), with what
-        its ranks load saved under `scratch`; None: the family serves no ranks."""
-        return None
-
-    def with_oracle(self, reference: dict[int, int], hit_rate: float) -> Method:
-        """The method with a drafter that proposes `reference`'s token at a position with probability `hit_rate`, so
-        self-checks on random drafters reach the accept paths; a method without a drafter is itself."""
-        return self
-
-    checks_parity: ClassVar[bool] = False  # whether `parity` below is the family's (`spd-bench parity`)
-
-    def parity(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int) -> ParityCheck:
-        """Train/decode parity of the drafter on `trajectory` (the greedy AR output): whether decoding hands it the
-        states training taught it on (families whose drafter trains on a layout of its own)."""
-        raise HarnessError(f"{self.name} has no parity check")
-
-    def simulate(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int, sampler: Sampler
-                 ) -> Generation:
-        """Acceptance replayed on `trajectory` (the AR output) instead of executed (methods/teacher.py)."""
-        raise HarnessError(f"{self.name} has no acceptance simulation; run it without --simulate")
 
 
 def commit(output: list[int], tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:

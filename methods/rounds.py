@@ -18,7 +18,8 @@ import torch
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
 from methods import drafts as drafts_log
-from methods.base import Generation, Method, PositionAxis, Timer, commit
+from methods.base import Generation, Method, Timer, commit
+from methods.capabilities import PositionAxis, Reports, Simulates
 from methods.sampling import Sampler
 from methods.stats import Record, Stats
 from methods.teacher import Teacher
@@ -310,11 +311,11 @@ class RoundSession(Protocol):
     def finish(self, rounds: Rounds, timer: Timer) -> tuple[Stats, dict[str, float]]: ...
 
 
-class RoundMethod(Method):
+class RoundMethod(Method, Reports, Simulates):
     """A draft-then-verify method. The kit owns the loop: prefill, rounds (draft, ONE verify, commit, learn), stopping,
     counting and timing, executed on the target or replayed on a trajectory (`--simulate`), so a replay runs the
     family's very drafting. A family sets `layers` (the target layers its drafter reads), `depth` (the most drafts a
-    round can accept) and `session`."""
+    round can accept) and `session`; every round method reports its draft positions and replays."""
 
     positions = DRAFT_POSITIONS
     layers: tuple[int, ...] = ()

@@ -170,6 +170,7 @@ def test_every_run_in_the_readmes_methods_table_has_its_drafter_or_says_to_train
     import methods  # noqa: F401  (fills the registry)
     from harness.runtime.checkpoints import SHIPPED
     from methods.base import REGISTRY, parse_params
+    from methods.capabilities import drafter_of
 
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
     checked = 0
@@ -181,7 +182,7 @@ def test_every_run_in_the_readmes_methods_table_has_its_drafter_or_says_to_train
             options = dict(zip(words[2::2], words[3::2]))
             cls = REGISTRY[options.pop("--method")]
             params = {k.removeprefix("--").replace("-", "_"): int(v) if v.isdigit() else v for k, v in options.items()}
-            needed = cls.drafter(parse_params(cls, params))
+            needed = drafter_of(cls, parse_params(cls, params))
             shipped = needed is None or (SHIPPED / "smollm2-135m" / f"{cls.drafter_family()}-{needed[0]}").exists()
             assert shipped or "spd-bench train" in row.split(line)[0], row
             checked += 1

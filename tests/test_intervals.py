@@ -80,9 +80,9 @@ def test_a_replicate_that_draws_every_prompt_once_is_the_summary_itself():
         for figure in figures:
             ours, theirs = getattr(summary, figure), getattr(replica, figure)
             assert (ours is None) == (theirs is None) and (ours is None or abs(ours - theirs) < 1e-9), figure
-        own = summary.family.figures(summary) if summary.family else {}
+        own = summary.reports.figures(summary)
         for name, ours in own.items():
-            theirs = summary.family.figures(replica)[name]
+            theirs = summary.reports.figures(replica)[name]
             assert (ours is None) == (theirs is None) and (ours is None or abs(ours - theirs) < 1e-9), name
 
 

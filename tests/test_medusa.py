@@ -153,7 +153,8 @@ def test_a_published_head_folder_imports_and_decodes_losslessly(tmp_path, cache)
         import_medusa(pickled, target)
 
 
-def test_trained_heads_decode_losslessly_through_the_cli(tiny_dir, eval_dir, tmp_path, cache):
+def test_trained_heads_decode_losslessly_through_the_cli(tiny_dir, eval_dir, tmp_path, cache, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the train record goes to ./results
     train = ["train", "--model", str(tiny_dir), "--method", "medusa", "--heads", "4", "--seq-len", "32",
              "--batch-size", "2", "--draft-vocab", "512", "--save-every", "2", "--tokens", "128"]
     result = CliRunner().invoke(main, train)

@@ -11,13 +11,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 import methods  # noqa: F401  (fills the registry)
-from harness.bench.data import MULTI_TURN, TURNS, Sample, load_samples
+from harness.bench.data import DATASETS, MULTI_TURN, TURNS, Sample, load_samples
 from harness.runtime import checkpoints
 from harness.runtime import distributed as launch
 from harness.runtime.errors import HarnessError
 from harness.runtime.kernels import chosen
-from harness.runtime.models import LoadedModel, check_model_spec, pick_dtype
-from methods.base import REGISTRY, Method, parse_params, recorded_params
+from harness.runtime.models import DEFAULT_MODEL, LoadedModel, check_model_spec, pick_dtype
+from methods.base import REGISTRY, parse_params, recorded_params
+from methods.capabilities import Imports, Serves, Simulates, drafter_of
 from methods.sampling import SamplingConfig
 
 REFERENCE_METHOD = "autoregressive"
@@ -27,11 +28,13 @@ KEPT = object()  # an `omit` of no value: the entry is always in the key
 
 
 def option(default=None, *, key: str | None = None, omit=KEPT, value=None, record: str | None = None,
-           factory=None):
+           factory=None, help: str | None = None, choices: tuple = (), flag: str | None = None):
     """A run option: its default, and where it goes. `key`: its entry in the configuration key (None: not there);
     `omit`: a value whose entry is left out (options added after records were keyed keep earlier keys); `value`:
-    (config, raw) -> what the key holds; `record`: its name in the record (None: not stored)."""
-    metadata = {"key": key, "omit": omit, "value": value, "record": record}
+    (config, raw) -> what the key holds; `record`: its name in the record (None: not stored); `help`, `choices` and
+    `flag` (default `--the-name`): its command-line option (harness/cli's `config_option`; no help: none)."""
+    metadata = {"key": key, "omit": omit, "value": value, "record": record, "help": help, "choices": choices,
+                "flag": flag}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -43,41 +46,66 @@ def _executor(config: RunConfig, executor: str) -> dict | None:
     return {"kind": "distributed", "world_size": len(config.stage_devices) + 1, "devices": config.stage_devices}
 
 
+DTYPE_HELP = ("Default: float32 on CPU, bfloat16 on CUDA. auto: bfloat16 on a CPU where the row kernels serve (faster; "
+              "every method still decodes its runtime's own greedy AR tokens, which in bf16 can part from HF's bf16 "
+              "decoding at near-ties: --kernels torch for that comparison), else the default.")
+COMPILE_HELP = ("Run the target's attention layers through torch.compile'd graphs (inductor; on a CPU a run of alike "
+                "layers as one graph, on CUDA one layer a graph with static shapes replayed as CUDA graphs): on stops "
+                "with the reason where it cannot compile, and auto falls back to eager saying why. Drafters' layers "
+                "run the same way.")
+TURNS_HELP = ("MT-Bench: decode each question's first user turn (the paper's protocol), or all its turns as one "
+              "conversation (Spec-Bench's and EAGLE's), a record per turn; other sets have one turn.")
+
+
 @dataclass
 class RunConfig:
-    """What names a run, from the command line (`spd-bench run`'s options and their defaults) through its
-    configuration key (`key_entries`) to its records (`recorded`)."""
+    """What names a run, from its command-line options (harness/cli's `config_option`: flag, type, default, help)
+    through its configuration key (`key_entries`) to its records (`recorded`)."""
 
-    method: str = option("autoregressive", key="method", record="method")
-    params: dict = option(key="params", record="params", factory=dict)
-    model: str = option("smollm2-135m")  # keyed by its weights' identity (the runner adds it)
-    datasets: tuple[str, ...] = option(("mt_bench", "gsm8k", "humaneval"))
-    temperature: float = option(0.0, key="temperature", record="temperature")
-    top_k: int = option(0, key="top_k", record="top_k")
-    top_p: float = option(1.0, key="top_p", record="top_p")
-    max_new_tokens: int = option(128, key="max_new_tokens", record="max_new_tokens")
-    limit: int | None = option(None)
-    seed: int = option(0, key="seed", record="seed")
-    device: str = option("cpu")  # keyed by its type (the runner adds it)
-    dtype: str | None = option(None, key="dtype", value=lambda c, _: c.dtype_name)
-    data_dir: str | None = option(None)
-    out: Path | None = option(None)
-    checkpoint: str | None = option(None)  # keyed by the drafter's weights (the runner adds them)
-    skip_missing: bool = option(False)
+    method: str = option(REFERENCE_METHOD, key="method", record="method", help="Registered decoding method.")
+    params: dict = option(key="params", record="params", factory=dict)  # the method's: its Params' own options
+    model: str = option(DEFAULT_MODEL, help="Embedded model name, a local HF folder, or a hub id.")  # keyed by weights
+    datasets: tuple[str, ...] = option(DATASETS, help="Comma-separated datasets.", flag="--dataset")
+    temperature: float = option(0.0, key="temperature", record="temperature", help="0: greedy.")
+    top_k: int = option(0, key="top_k", record="top_k", help="0 disables top-k.")
+    top_p: float = option(1.0, key="top_p", record="top_p", help="1 disables top-p.")
+    max_new_tokens: int = option(128, key="max_new_tokens", record="max_new_tokens", help="Tokens per answer at most.")
+    limit: int | None = option(None, help="First N prompts per dataset.")
+    seed: int = option(0, key="seed", record="seed", help="The sampler's seed (T>0).")
+    device: str = option("cpu", help="cpu or cuda[:N].")  # keyed by its type (the runner adds it)
+    dtype: str | None = option(None, key="dtype", value=lambda c, _: c.dtype_name, help=DTYPE_HELP,
+                               choices=("float32", "bfloat16", "float16", "auto"))
+    data_dir: str | None = option(None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
+    out: Path | None = option(None, help="Results file (default results/<model>/<method>.jsonl).")
+    checkpoint: str | None = option(None, help="Drafter checkpoint folder (methods that need one).")  # keyed by weights
+    skip_missing: bool = option(False, help="Skip datasets that cannot be found instead of failing.")
     baseline: bool = option(True)  # time AR on every sample beside the method (wall-clock measured side by side)
-    simulate: bool = option(False, key="simulated", omit=False, record="simulated")  # replay on the AR output
-    executor: str = option("local", key="executor", omit=None, value=_executor)  # distributed: served ranks apart
-    devices: str | None = option(None)  # distributed: one device per served rank, comma list
-    timeout: float = option(300.0)  # distributed: seconds any rank may wait for another once all started
-    join_timeout: float = option(900.0)  # distributed: the start deadline (spawn, imports, loading a rank's share)
-    compile: str = option("off", key="compile", omit="off")  # the layer step: eager (off), compiled (on) or auto
-    turns: str = option("first", key="turns", omit="first", record="turns")  # first user turn, or all
-    kernels: str = option(key="kernels", omit="auto", factory=chosen)  # the CPU kernels (harness/runtime/kernels.py)
+    simulate: bool = option(False, key="simulated", omit=False, record="simulated",
+                            help="Replay acceptance on the AR output from one teacher-forced pass instead of executing "
+                                 "(exact at T=0; expected acceptance at T>0; no timings).")
+    executor: str = option("local", key="executor", omit=None, value=_executor, choices=launch.EXECUTORS,
+                           help="Run everything in this process, or give the method's served ranks processes of "
+                                "their own (torch.distributed, started here or by torchrun).")
+    devices: str | None = option(None, help="--executor distributed: one device per served rank, e.g. cuda:1,cuda:2 "
+                                            "(default: the --device type).")
+    timeout: float = option(300.0, help="--executor distributed: the run deadline, seconds a rank may wait for "
+                                        "another once every rank has started, before the run fails.")
+    join_timeout: float = option(900.0, help="--executor distributed: the start deadline, seconds the ranks may take "
+                                             "to start and load what they serve (a spawned rank that exits meanwhile "
+                                             "ends the wait at once).")
+    compile: str = option("off", key="compile", omit="off", help=COMPILE_HELP, choices=("off", "on", "auto"))
+    turns: str = option("first", key="turns", omit="first", record="turns", help=TURNS_HELP, choices=TURNS)
+    kernels: str = option(key="kernels", omit="auto", factory=chosen)  # the CPU kernels (harness/runtime/kernels.py;
+    # the command line's --kernels chooses them for the process and its ranks)
+
+    @classmethod
+    def field(cls, name: str):
+        return next(f for f in fields(cls) if f.name == name)
 
     @classmethod
     def default(cls, name: str):
         """An option's default (the command line's)."""
-        found = next(f for f in fields(cls) if f.name == name)
+        found = cls.field(name)
         return found.default_factory() if found.default is MISSING else found.default
 
     def key_entries(self) -> dict:
@@ -122,9 +150,9 @@ def validate(config: RunConfig) -> None:
         config.sampling()
     except (ValueError, TypeError) as exc:
         raise HarnessError(f"{exc}; fix the option") from None
-    if config.checkpoint and cls.drafter(params) is None:
+    if config.checkpoint and drafter_of(cls, params) is None:
         raise HarnessError(f"method {config.method} uses no drafter; drop --checkpoint")
-    if config.simulate and cls.simulate is Method.simulate:
+    if config.simulate and not issubclass(cls, Simulates):
         raise HarnessError(f"method {config.method} has no acceptance simulation; drop --simulate")
     if config.simulate:
         try:
@@ -168,8 +196,8 @@ def validate_executor(config: RunConfig, cls) -> None:
         if config.devices:
             raise HarnessError("--devices places the stages of --executor distributed; add it or drop --devices")
         return
-    if cls.served(parse_params(cls, config.params)) is None:
-        distributed = sorted(name for name, c in REGISTRY.items() if c.served(parse_params(c, {})) is not None)
+    if not issubclass(cls, Serves):
+        distributed = sorted(name for name, c in REGISTRY.items() if issubclass(c, Serves))
         raise HarnessError(f"--executor distributed runs {', '.join(distributed)}, not {config.method}")
     if config.simulate:
         raise HarnessError("--simulate replays acceptance without running stages; drop --executor distributed")
@@ -195,7 +223,7 @@ def load_prompts(config: RunConfig) -> list[Sample]:
 def drafter_folder(config: RunConfig, identity) -> tuple[Path, str] | None:
     """Where the configuration's trained drafter lives and the command that trains it; None: it needs none."""
     cls = REGISTRY[config.method]
-    needed = cls.drafter(parse_params(cls, config.params))
+    needed = drafter_of(cls, parse_params(cls, config.params))
     if needed is None:
         return None
     tag, command = needed
@@ -211,12 +239,14 @@ def drafter_fingerprint(config: RunConfig, identity) -> str | None:
 
 
 def import_checkpoint(config: RunConfig, loaded: LoadedModel) -> None:
-    """`--checkpoint` naming a drafter published in a format the method's family reads (Method.import_checkpoint):
+    """`--checkpoint` naming a drafter published in a format the method's family reads (Imports.import_checkpoint):
     converted into the cache and used from there."""
     if not config.checkpoint:
         return
     path, cls = Path(config.checkpoint), REGISTRY[config.method]
-    imported = cls.import_checkpoint(path, loaded, parse_params(cls, config.params))
+    imported = None
+    if issubclass(cls, Imports):
+        imported = cls.import_checkpoint(path, loaded, parse_params(cls, config.params))
     if imported is not None:
         folder, params = imported
         config.checkpoint = str(folder)

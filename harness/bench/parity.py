@@ -1,7 +1,7 @@
 """`spd-bench parity`: the train/decode parity check of a drafter over benchmark prompts.
 
 Per prompt, the greedy AR output is the trajectory; the method's family compares its drafter's predictions on it
-through the training layout and through decoding (`Method.parity`, for families with `checks_parity`). This module
+through the training layout and through decoding (`ChecksParity.parity`, for the families that declare it). This module
 runs that over prompts, pools the figures and appends one record to results/<model>/parity.jsonl.
 """
 
@@ -19,17 +19,18 @@ from harness.bench.runner import Runner
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_model
 from harness.runtime.results import ResultStore
-from methods.base import REGISTRY, ParityCheck
+from methods.base import REGISTRY
+from methods.capabilities import ChecksParity, ParityCheck
 
 
 def parity_methods() -> list[str]:
-    return [name for name, cls in REGISTRY.items() if cls.checks_parity]
+    return [name for name, cls in REGISTRY.items() if issubclass(cls, ChecksParity)]
 
 
 def check(config: RunConfig, root: Path = Path("results")) -> ParityCheck:
     """Parity of the configuration's drafter over its prompts (T=0, width 1); records it under `root`."""
     validate(config)
-    if not REGISTRY[config.method].checks_parity:
+    if not issubclass(REGISTRY[config.method], ChecksParity):
         raise HarnessError(f"method {config.method} has no parity check; --method takes {', '.join(parity_methods())}")
     if config.params.get("width", 1) != 1 or not config.sampling().greedy:
         raise HarnessError("parity compares chains at T=0: drop --width and --temperature")

@@ -19,6 +19,7 @@ from harness.runtime.provenance import versions
 from harness.runtime.results import ResultStore, config_key
 from harness.runtime.target import TargetRuntime
 from methods.base import REGISTRY, build_method
+from methods.capabilities import HFPeer
 from methods.sampling import Sampler, SamplingConfig
 
 # The sides of one pair, in the order the first prompt runs them (each next prompt rotates it by one, so no side
@@ -50,7 +51,7 @@ class PeerBench:
 
 def peers() -> list[str]:
     """Methods HF generate also implements."""
-    return [name for name, cls in REGISTRY.items() if cls.hf_peer(cls.Params()) is not None]
+    return [name for name, cls in REGISTRY.items() if issubclass(cls, HFPeer) and cls.hf_peer(cls.Params()) is not None]
 
 
 def bench_peer(method: str, model: str, datasets: list[str], prompts: int, max_new_tokens: int, params: dict,

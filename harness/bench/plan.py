@@ -24,6 +24,7 @@ from harness.bench.sweep import GridPoint, recorded_samples
 from harness.runtime.errors import HarnessError
 from harness.runtime.models import load_identity, model_name
 from methods.base import REGISTRY, parse_params
+from methods.capabilities import Serves, sample_cost
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ def plan(points: list[GridPoint], base: RunConfig, per_dataset: bool = False) ->
     items = []
     for point in set(points):
         cls = REGISTRY[point.method]
-        per_sample = cls.relative_cost(parse_params(cls, point.param_dict), base.simulate) * base.max_new_tokens
+        params = parse_params(cls, point.param_dict)
+        cost = cls.relative_cost(params, base.simulate) if issubclass(cls, Serves) else sample_cost(base.simulate)
+        per_sample = cost * base.max_new_tokens
         for dataset in (sorted(prompts) if per_dataset else [None]):
             count = prompts[dataset] if dataset else sum(prompts.values())
             items.append(WorkItem(point, dataset, per_sample * count))

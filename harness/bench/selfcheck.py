@@ -79,15 +79,16 @@ def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: in
 
 
 def _with_oracle(method, prompt: list[int], reference: list[int]):
-    """The method with a drafter that proposes AR's next token 70% of the time (Method.with_oracle)."""
+    """The method with a drafter that proposes AR's next token 70% of the time (SelfChecks.with_oracle)."""
     return method.with_oracle({len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
 
 
 def _methods(target: TargetRuntime) -> list[tuple[str, object]]:
     """Every method the harness runs, with random drafters (each family's self-check cases)."""
     from methods.base import REGISTRY
+    from methods.capabilities import SelfChecks
 
-    return [case for cls in REGISTRY.values() for case in cls.selfcheck_cases(target)]
+    return [case for cls in REGISTRY.values() if issubclass(cls, SelfChecks) for case in cls.selfcheck_cases(target)]
 
 
 def check_methods(name: str, model, prompts: list[list[int]], new_tokens: int, compile: str = "off"
@@ -200,6 +201,7 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
     it from disk, and what else a rank loads is saved beside it)."""
     from harness.runtime.models import load_model
     from methods.base import REGISTRY, build_method
+    from methods.capabilities import Serves
     from methods.sampling import Sampler, SamplingConfig
 
     dtype_name = str(dtype).removeprefix("torch.")
@@ -211,7 +213,8 @@ def check_distributed(device: str, dtype: torch.dtype, prompts: list[list[int]],
         ar = build_method("autoregressive", target, {}, set())
         with torch.inference_mode():
             references = [ar.generate(p, new_tokens, Sampler(SamplingConfig())).output_ids for p in prompts]
-        cases = [cls.selfcheck_distributed(target, Path(scratch)) for cls in REGISTRY.values()]
+        cases = [cls.selfcheck_distributed(target, Path(scratch)) for cls in REGISTRY.values()
+                 if issubclass(cls, Serves)]
         for label, method, ranks in (case for case in cases if case is not None):
             yield guarded("tiny qwen3_5", f"{label} distributed", lambda: _check_distributed_case(
                 label, method, ranks, folder, device, dtype_name, prompts, references, new_tokens))

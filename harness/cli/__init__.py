@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 # Before torch loads: c10d logs every connection retry and timeout itself, with C++ frames, while the harness turns
 # each failure into one line that says what failed (set the variable to see them).
@@ -21,7 +22,6 @@ import click  # noqa: E402
 from harness.bench.config import RunConfig  # noqa: E402
 from harness.bench.data import DATASETS  # noqa: E402
 from harness.runtime.errors import HarnessError  # noqa: E402
-from harness.runtime.models import DEFAULT_MODEL  # noqa: E402
 
 
 # The sections a command's --help groups its options into, by parameter name; a method's own parameters (every
@@ -147,10 +147,11 @@ def _declared_params(training: bool = False) -> dict[str, Declared]:
     train over (their `training_params`) and their training-only options (`training_options`)."""
     import methods  # noqa: F401  (fills the registry)
     from methods.base import REGISTRY
+    from methods.capabilities import Trains
 
     declared: dict[str, Declared] = {}
     for cls in REGISTRY.values():
-        if training and not cls.trainable:
+        if training and not issubclass(cls, Trains):
             continue
         for f in fields(cls.Params):
             if training and f.name not in cls.training_params:
@@ -205,14 +206,30 @@ def main():
     _quiet_libraries()
 
 
-model_option = click.option("--model", default=DEFAULT_MODEL, show_default=True,
-                            help="Embedded model name, a local HF folder, or a hub id.")
-device_option = click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-dtype_option = click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "auto"]), default=None,
-                            help="Default: float32 on CPU, bfloat16 on CUDA. auto: bfloat16 on a CPU where the "
-                                 "row kernels serve (faster; every method still decodes its runtime's own greedy "
-                                 "AR tokens, which in bf16 can part from HF's bf16 decoding at near-ties: "
-                                 "--kernels torch for that comparison), else the default.")
+_KINDS = {"int": int, "float": float, "Path": click.Path(path_type=Path)}
+
+
+def config_option(name: str, dest: str | None = None, **overrides):
+    """The command-line option of RunConfig's field `name`: flag, type, choices, default and help all from the field
+    (`dest`: the command's parameter name where it is not the field's; `overrides`: what a command says otherwise,
+    e.g. sweep's comma lists)."""
+    found = RunConfig.field(name)
+    meta, default = found.metadata, RunConfig.default(name)
+    settings = {"default": ",".join(default) if isinstance(default, tuple) else default, "help": meta["help"]}
+    if isinstance(default, bool):
+        settings["is_flag"] = True
+    else:
+        settings["show_default"] = default is not None
+        kind = _KINDS.get(str(found.type).split(" |")[0])
+        settings["type"] = click.Choice(meta["choices"]) if meta["choices"] else kind
+    if isinstance(default, tuple):
+        settings["callback"] = lambda ctx, param, value: _datasets(value)
+    return click.option(meta["flag"] or "--" + name.replace("_", "-"), dest or name, **{**settings, **overrides})
+
+
+model_option = config_option("model")
+device_option = config_option("device")
+dtype_option = config_option("dtype")
 
 
 def _choose_kernels(ctx, param, value):
@@ -230,32 +247,17 @@ def kernels_option(expose: bool = True):
         help="CPU kernels of the target's Linears and attention: auto takes the project's row kernels where they "
              "build (a row's result independent of the rows beside it, so verified drafts equal steps bit for bit), "
              "rows insists on them, torch keeps torch's (oneDNN/MKL and sdpa, as HF's own decoding runs).")
-compile_option = click.option(
-    "--compile", "compile_mode", type=click.Choice(["off", "on", "auto"]), default=RunConfig.default("compile"),
-    show_default=True,
-    help="Run the target's attention layers through torch.compile'd graphs (inductor; on a CPU a run of alike "
-         "layers as one graph, on CUDA one layer a graph with static shapes replayed as CUDA graphs): on stops with "
-         "the reason where it cannot compile, and auto falls back to eager saying why. Drafters' layers run the "
-         "same way.")
-turns_option = click.option(
-    "--turns", type=click.Choice(["first", "all"]), default=RunConfig.default("turns"), show_default=True,
-    help="MT-Bench: decode each question's first user turn (the paper's protocol), or all its turns as one "
-         "conversation (Spec-Bench's and EAGLE's), a record per turn; other sets have one turn.")
-data_option = click.option("--data-dir", default=None, help="Folder with <dataset>.jsonl files (or $SPD_BENCH_DATA).")
-simulate_option = click.option(
-    "--simulate", is_flag=True, help="Replay acceptance on the AR output from one teacher-forced pass instead of "
-                                     "executing (exact at T=0; expected acceptance at T>0; no timings).")
+compile_option = config_option("compile", "compile_mode")
+turns_option = config_option("turns")
+data_option = config_option("data_dir")
+simulate_option = config_option("simulate")
 
 
 def prompt_options(command):
     """The prompts, lengths, seed and device options that `run` and `sweep` share."""
     options = [
         model_option,
-        click.option("--dataset", "datasets", default=",".join(DATASETS), show_default=True,
-                     callback=lambda c, p, v: _datasets(v), help="Comma-separated datasets."),
-        click.option("--max-new-tokens", type=int, default=RunConfig.default("max_new_tokens"), show_default=True),
-        click.option("--limit", type=int, default=None, help="First N prompts per dataset."),
-        click.option("--seed", type=int, default=RunConfig.default("seed"), show_default=True),
+        config_option("datasets"), config_option("max_new_tokens"), config_option("limit"), config_option("seed"),
         device_option, dtype_option, data_option, simulate_option,
     ]
     for option in reversed(options):

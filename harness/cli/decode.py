@@ -9,46 +9,36 @@ import click
 
 from harness.bench.config import RunConfig
 from harness.bench.parity import parity_methods
-from harness.cli import (_method_options, _params, _values, compile_option, kernels_option, list_values, main,
-                          param_options,
-                         prompt_options, turns_option)
+from harness.cli import (_method_options, _params, _values, compile_option, config_option, kernels_option,
+                         list_values, main, param_options, prompt_options, turns_option)
 from harness.reporting.paper import FLAGSHIP, GRID
 from methods.base import REGISTRY
+from methods.capabilities import Serves
 
 
 def _served() -> str:
-    return ", ".join(f"{cls.serves} ({cls.name})" for cls in REGISTRY.values() if cls.serves)
+    return ", ".join(f"{cls.serves} ({cls.name})" for cls in REGISTRY.values() if issubclass(cls, Serves))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--method", default="autoregressive", show_default=True, help="Registered decoding method.")
+@config_option("method")
 @click.option("--param", "param_pairs", multiple=True,
               help="Method parameter name=value (repeatable); each parameter also has its own option below.")
 @param_options()
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@config_option("temperature")
+@config_option("top_k")
+@config_option("top_p")
 @prompt_options
 @turns_option
 @compile_option
 @kernels_option()
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Results file (default results/<model>/<method>.jsonl).")
-@click.option("--checkpoint", default=None, help="Drafter checkpoint folder (methods that need one).")
-@click.option("--skip-missing", is_flag=True, help="Skip datasets that cannot be found instead of failing.")
-@click.option("--executor", type=click.Choice(["local", "distributed"]), default=RunConfig.default("executor"),
-              show_default=True,
-              help="Run everything in this process, or give the method's served ranks processes of their own "
-                   f"(torch.distributed, started here or by torchrun): {_served()}.")
-@click.option("--devices", default=None,
-              help="--executor distributed: one device per served rank, e.g. cuda:1,cuda:2 (default: the --device "
-                   "type).")
-@click.option("--timeout", type=float, default=RunConfig.default("timeout"), show_default=True,
-              help="--executor distributed: the run deadline, seconds a rank may wait for another once every rank "
-                   "has started, before the run fails.")
-@click.option("--join-timeout", type=float, default=RunConfig.default("join_timeout"), show_default=True,
-              help="--executor distributed: the start deadline, seconds the ranks may take to start and load what "
-                   "they serve (a spawned rank that exits meanwhile ends the wait at once).")
+@config_option("out")
+@config_option("checkpoint")
+@config_option("skip_missing")
+@config_option("executor", help=f"{RunConfig.field('executor').metadata['help'].rstrip('.')}: {_served()}.")
+@config_option("devices")
+@config_option("timeout")
+@config_option("join_timeout")
 @click.pass_context
 def run(ctx, param_pairs, compile_mode, **options):
     """Decode prompts with one method, check each output against greedy AR, record each sample.
@@ -73,7 +63,7 @@ def run(ctx, param_pairs, compile_mode, **options):
               type=click.Choice(parity_methods()))
 @param_options(only=tuple(p for name in parity_methods() for p in REGISTRY[name].training_params))
 @prompt_options
-@click.option("--checkpoint", default=None, help="Drafter checkpoint folder (default: the cache).")
+@config_option("checkpoint")
 def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, data_dir, simulate, checkpoint,
            **named):
     """Check a drafter predicts alike in training and in decoding; exit 1 on a disagreement.
@@ -105,10 +95,8 @@ def parity(method, model, datasets, max_new_tokens, limit, seed, device, dtype, 
 @param_options(lists=True, skip=("width",))
 @click.option("--width", "widths", default="1", show_default=True, help="Comma list of draft widths.")
 @click.option("--temperature", "temperatures", default="0", show_default=True, help="Comma list of temperatures.")
-@click.option("--top-k", type=int, default=0, show_default=True,
-              help="Top-k of the T>0 points (0: off; the paper samples with 50).")
-@click.option("--top-p", type=float, default=1.0, show_default=True,
-              help="Top-p of the T>0 points (the paper samples with 0.95).")
+@config_option("top_k", help="Top-k of the T>0 points (0: off; the paper samples with 50).")
+@config_option("top_p", help="Top-p of the T>0 points (the paper samples with 0.95).")
 @prompt_options
 @turns_option
 @compile_option

@@ -16,8 +16,9 @@ def _drafter_specs(methods: str | None, values: dict[str, list]) -> list:
     """Every drafter a train command asks for (`methods`: comma list, None: every trainable method); each family turns
     the listed values of its training parameters into its drafters."""
     from methods.base import REGISTRY, offers, parse_params
+    from methods.capabilities import Trains
 
-    trainable = sorted(name for name, cls in REGISTRY.items() if cls.trainable)
+    trainable = sorted(name for name, cls in REGISTRY.items() if issubclass(cls, Trains))
     specs = []
     for method in _values(methods, str) if methods is not None else trainable:
         if method not in trainable:
@@ -163,8 +164,9 @@ def ship(method, param_pairs, model, **named):
     from harness.runtime import checkpoints
     from harness.runtime.models import load_identity
     from methods.base import REGISTRY, parse_params
+    from methods.capabilities import drafter_of
 
-    if method not in REGISTRY or REGISTRY[method].drafter(parse_params(REGISTRY[method], {})) is None:
+    if method not in REGISTRY or drafter_of(REGISTRY[method], parse_params(REGISTRY[method], {})) is None:
         raise click.BadParameter(f"--method must name a method with a trained drafter, got {method!r}")
     params = {**_params(param_pairs), **{k: v for k, v in named.items() if v is not None}}
     try:
@@ -180,10 +182,12 @@ def ship(method, param_pairs, model, **named):
 
 
 def _formats() -> dict:
-    """Every foreign drafter format a family imports (`Method.imports`), by option name, with its family."""
+    """Every foreign drafter format a family imports (`Imports.imports`), by option name, with its family."""
     from methods.base import REGISTRY
+    from methods.capabilities import Imports
 
-    return {name: (cls, fmt) for cls in REGISTRY.values() for name, fmt in cls.imports.items()}
+    return {name: (cls, fmt) for cls in REGISTRY.values() if issubclass(cls, Imports)
+            for name, fmt in cls.imports.items()}
 
 
 def _format_options(command):
@@ -233,10 +237,11 @@ def import_command(force, model, device, dtype, **options):
 
 
 def _exporter():
-    """The one family with a head export (`Method.head_export`)."""
+    """The one family with a head export (`Imports.head_export`)."""
     from methods.base import REGISTRY
+    from methods.capabilities import Imports
 
-    (cls,) = [cls for cls in REGISTRY.values() if cls.head_export is not None]
+    (cls,) = [cls for cls in REGISTRY.values() if issubclass(cls, Imports) and cls.head_export is not None]
     return cls
 
 

@@ -6,7 +6,7 @@
   Its `speed.py` takes a configuration's file and the autoregressive one as `--base-path`; its `equal.py` compares the
   `turns` of two files. The category is the dataset name (its `overall` task reads every line). Simulated records
   have no wall time and are skipped.
-- a family's own formats (`Method.exports`; the pipeline family's `reference`: the reference code's per-sample JSONL,
+- a family's own formats (`Reports.exports`; the pipeline family's `reference`: the reference code's per-sample JSONL,
   methods/pipeline/export.py), one file per configuration. Records of methods without the format are counted as
   skipped.
 
@@ -28,6 +28,7 @@ from harness.runtime.errors import HarnessError
 from harness.runtime.files import Outputs
 from harness.runtime.paths import check_out_path
 from methods.base import REGISTRY
+from methods.capabilities import Reports, offered
 
 SPEC_BENCH = "spec-bench"
 
@@ -36,14 +37,14 @@ def formats() -> dict[str, list[str]]:
     """Every export format and the methods whose records it writes (Spec-Bench's: every method's)."""
     found = {SPEC_BENCH: sorted(REGISTRY)}
     for name, cls in REGISTRY.items():
-        for fmt in cls.exports:
+        for fmt in offered(cls, Reports).exports:
             found.setdefault(fmt, []).append(name)
     return found
 
 
 def formats_help() -> str:
     """What each format is, for --help."""
-    about = {fmt: spec.about for cls in REGISTRY.values() for fmt, spec in cls.exports.items()}
+    about = {fmt: spec.about for cls in REGISTRY.values() for fmt, spec in offered(cls, Reports).exports.items()}
     return "; ".join(f"{fmt}: {about.get(fmt, 'Spec-Bench answer files')} ({', '.join(names)})"
                      for fmt, names in formats().items())
 
@@ -142,7 +143,7 @@ def export(rows: list[dict], fmt: str, out: Path, outputs: Outputs | None = None
     questions = _questions(rows)
     files = {}
     for name, group in sorted(groups.items()):
-        family = REGISTRY[group[0]["method"]].exports[fmt]
+        family = offered(REGISTRY[group[0]["method"]], Reports).exports[fmt]
         files[f"{name}{family.suffix}.jsonl"] = [
             family.sample(r, i, questions.get((r["dataset"], str(r["question_id"]), r.get("turn", 1))))
             for i, r in enumerate(group)]

@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from harness.reporting.intervals import getter, interval, position  # noqa: E402
 from harness.reporting.metrics import Block, Summary, config_label, family, find  # noqa: E402
 from harness.reporting.paper import ScalingFigure  # noqa: E402
+from methods.capabilities import Reports, offered  # noqa: E402
 from methods.rounds import DRAFT_POSITIONS  # noqa: E402
 
 
@@ -62,8 +63,7 @@ def accepted_lengths(rows: list[dict], path: Path) -> Path | None:
     simulated."""
     groups: dict[str, dict[bool, Counter]] = {}
     for row in rows:
-        cls = family(row["method"])
-        if row["temperature"] == 0 and cls is not None and cls.positions is DRAFT_POSITIONS:
+        if row["temperature"] == 0 and offered(family(row["method"]), Reports).positions is DRAFT_POSITIONS:
             name = f"{row['method']} " + " ".join(f"{k}={v}" for k, v in sorted(row["params"].items()))
             counts = groups.setdefault(name, {}).setdefault(bool(row.get("simulated")), Counter())
             counts.update(a for a in row["accepted"] if a > 0)

@@ -16,6 +16,7 @@ from harness.bench.config import RunConfig
 from harness.bench.data import MULTI_TURN
 from harness.runtime.results import timed_on
 from methods.base import REGISTRY, Method
+from methods.capabilities import Reports, offered
 from methods.sampling import NO_TRUNCATION
 from methods.stats import Stats
 
@@ -264,8 +265,13 @@ class Summary:
     def family(self) -> type[Method] | None:
         return family(self.method)
 
+    @property
+    def reports(self) -> type[Reports]:
+        """The family's figure hooks (methods/capabilities.py), or the defaults where it declares none."""
+        return offered(self.family, Reports)
+
     def _figure(self, hook: str):
-        return None if self.family is None else getattr(self.family, hook)(self)
+        return getattr(self.reports, hook)(self)
 
     @property
     def l_acc(self) -> float | None:

@@ -250,7 +250,7 @@ def position_axes(overall: list[Summary]) -> dict:
     """Summaries with accepts per position, by their family's axis (PositionAxis), the axes in order of label."""
     found: dict = {}
     for s in overall:
-        axis = s.family.positions if s.family else None
+        axis = s.reports.positions
         if axis is not None and s.position_drafts:
             found.setdefault(axis, []).append(s)
     return {axis: found[axis] for axis in sorted(found, key=lambda a: a.label)}
@@ -353,18 +353,18 @@ def breakdown_table(overall: list[Summary]) -> list[Table]:
             for s, _ in found]
     return [Table("Cycle wall breakdown", ["config", "T", "width", "cycles", *(f"{p} ms" for p in phases),
                                            "theoretical", "modeled", "wall-clock"], rows,
-                  found[0][0].family.breakdown_note)]
+                  found[0][0].reports.breakdown_note)]
 
 
 def _own(name: str) -> Figure:
-    return lambda s: s.family.figures(s).get(name)
+    return lambda s: s.reports.figures(s).get(name)
 
 
 def family_tables(overall: list[Summary]) -> list[Table]:
-    """A table per method family with figures of its own (Method.figures), one row per configuration."""
+    """A table per method family with figures of its own (Reports.figures), one row per configuration."""
     found: dict[str, list[tuple[Summary, dict]]] = {}
     for s in overall:
-        figures = s.family.figures(s) if s.family else {}
+        figures = s.reports.figures(s)
         if figures:
             found.setdefault(s.method, []).append((s, figures))
     tables = []
@@ -373,7 +373,7 @@ def family_tables(overall: list[Summary]) -> list[Table]:
         rows = [[_config(s), s.sampling, str(s.samples)] + [_ci(s, _own(n)) for n in names] + [s.engine or "—"]
                 for s, _ in entries]
         tables.append(Table(f"{method} figures", ["config", "T", "samples", *names, "engine"], rows,
-                            "; ".join(filter(None, [entries[0][0].family.figures_note,
+                            "; ".join(filter(None, [entries[0][0].reports.figures_note,
                                                     "engine: the dtype and kernels that timed it"]))))
     return tables
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from harness.runtime.target import TargetRuntime
-from methods.base import Generation, HeadExport, ImportFormat, Method, Timer, param, register
+from methods.base import Generation, Method, Timer, param, register
+from methods.capabilities import HeadExport, ImportFormat, Imports, SelfChecks, Trains
 from methods.eagle3.head import LAYOUTS, EagleConfig, EagleHead, HeadSession, head_tag, load_head, train_command
 from methods.eagle3.interop import check_export_target, export_head, import_eagle3, import_folder, is_eagle3_folder
 from methods.eagle3.replay import chain_accepts, replay_rounds
@@ -47,7 +48,7 @@ class EagleStats(Stats):
 
 
 @register
-class EAGLE3(RoundMethod):
+class EAGLE3(RoundMethod, Trains, Imports, SelfChecks):
     name = "eagle3"
     Params = EagleParams
     Stats = EagleStats
@@ -56,7 +57,6 @@ class EAGLE3(RoundMethod):
                                       import_folder, ("ttt",))}
     head_export = HeadExport("An EAGLE-3 head trained with --eagle-layout eagle3, in the EAGLE-3 folder format "
                              "(SGLang, the EAGLE code).", check_export_target, export_head, ("ttt",))
-    trainable = True
 
     @classmethod
     def training_specs(cls, values: dict[str, list]) -> list:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from methods.base import Method, Timer, param, register
+from methods.capabilities import HFPeer, SelfChecks
 from methods.lookup.length import DraftLength
 from methods.rounds import DraftTree, Outcome, RoundMethod, Rounds
 from methods.sampling import Sampler
@@ -96,7 +97,7 @@ class LookupSession:
 
 
 @register
-class PromptLookup(RoundMethod):
+class PromptLookup(RoundMethod, SelfChecks, HFPeer):
     name = "lookup"
     Params = LookupParams
     Stats = LookupStats

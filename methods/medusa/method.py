@@ -13,7 +13,8 @@ from pathlib import Path
 
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
-from methods.base import ImportFormat, Method, Timer, param, register
+from methods.base import Method, Timer, param, register
+from methods.capabilities import ImportFormat, Imports, SelfChecks, Trains
 from methods.medusa.heads import MedusaConfig, MedusaHeads, heads_tag, load_heads, train_command
 from methods.medusa.interop import import_folder, import_medusa, is_medusa_folder
 from methods.medusa.tree import CandidateTree, read_paths
@@ -39,11 +40,10 @@ class MedusaParams:
 
 
 @register
-class Medusa(RoundMethod):
+class Medusa(RoundMethod, Trains, Imports, SelfChecks):
     name = "medusa"
     Params = MedusaParams
     Stats = MedusaStats
-    trainable = True
     training_params = ("heads",)
     imports = {"medusa": ImportFormat("A Medusa head folder (config.json + medusa_lm_head.safetensors or "
                                       "medusa_lm_head.pt, read weights-only).", import_folder, ("heads",))}

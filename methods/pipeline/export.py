@@ -4,7 +4,7 @@ n * sum N / sum S, token-weighted mean theoretical gain, pooled flags and tokens
 
 from __future__ import annotations
 
-from methods.base import ExportFormat
+from methods.capabilities import ExportFormat
 from methods.pipeline.stats import PipelineStats, stage_seconds
 
 

@@ -10,7 +10,9 @@ import torch
 from harness.runtime import checkpoints
 from harness.runtime.errors import HarnessError
 from harness.runtime.target import TargetRuntime
-from methods.base import Generation, ImportFormat, Method, offers, param, register
+from methods.base import Generation, Method, offers, param, register
+from methods.capabilities import (ChecksParity, ImportFormat, Imports, Reports, SelfChecks, Serves, Simulates,
+                                  Trains)
 from methods.pipeline.drafter import oracle_drafter
 from methods.pipeline.export import REFERENCE
 from methods.pipeline.replay import simulate
@@ -71,13 +73,12 @@ def _import_v11(path: Path, target: TargetRuntime, params: PipelineParams, force
 
 
 @register
-class SPD(Method):
+class SPD(Method, Reports, Trains, Imports, Serves, Simulates, SelfChecks, ChecksParity):
     name = "spd"
     Params = PipelineParams
     Stats = PipelineStats
     positions = FILL_LEVELS
     policy = "multi_depth"
-    trainable = True
     training_params = ("n", "ls", "schedule")
     training_options = {"aggr_bounds": (int, "Hidden-state indices 0 < b1 < ... whose cumulative "
                                               "features the projections read, shared between depths as in the "
@@ -185,8 +186,6 @@ class SPD(Method):
 
         target = TargetRuntime(loaded.model, max_len=8, identity=loaded.identity)
         return import_spd(path, target, expect=(params.n, params.ls)), {}
-
-    checks_parity = True
 
     def parity(self, prompt_ids: list[int], trajectory: list[int], max_new_tokens: int):
         """The drafter's top-1 per (position, fill level) through the training layout, the engine and the replay

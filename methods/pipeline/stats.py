@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from methods.base import PositionAxis
+from methods.capabilities import PositionAxis
 from methods.stats import Record, Stats, same
 
 FILL_LEVELS = PositionAxis("fill", "Draft acceptance by pipeline fill level (fill k: k + 1 tokens in flight)",

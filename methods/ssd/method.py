@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from methods.base import Generation, Method, Timer, param, register
+from methods.capabilities import Drafted, SelfChecks, Serves
 from methods.eagle3.head import EagleConfig, EagleHead, head_tag, train_command
 from methods.rounds import DraftShape, DraftTree, Node, Outcome, RoundMethod, Rounds, feed, target_prefill, verify
 from methods.sampling import Sampler
@@ -97,7 +98,7 @@ class SSDStats(Stats):
 
 
 @register
-class SSD(RoundMethod):
+class SSD(RoundMethod, Drafted, Serves, SelfChecks):
     name = "ssd"
     Params = SSDParams
     Stats = SSDStats
