@@ -79,7 +79,12 @@ def build_model(arch: str, shape: str, device: str, dtype: torch.dtype, seed: in
 
 
 def _with_oracle(method, prompt: list[int], reference: list[int]):
-    """The method with a drafter that proposes AR's next token 70% of the time (SelfChecks.with_oracle)."""
+    """The method with a drafter that proposes AR's next token 70% of the time (SelfChecks.with_oracle); a method
+    without self-check drafters (AR on a compiled runtime) as it is."""
+    from methods.capabilities import SelfChecks
+
+    if not isinstance(method, SelfChecks):
+        return method
     return method.with_oracle({len(prompt) + i: t for i, t in enumerate(reference)}, 0.7)
 
 

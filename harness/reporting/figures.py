@@ -132,7 +132,7 @@ def _with_errors(shown: list[Summary], figure) -> tuple[list, list[list[float]]]
 
 
 def cycle_breakdown(summaries: list[Summary], path: Path) -> Path | None:
-    """Stacked ms per cycle of each executed configuration whose family times its phases (Method.cycle_breakdown):
+    """Stacked ms per cycle of each executed configuration whose family times its phases (Reports.cycle_breakdown):
     its serial phases, the ones before "cycle" (which they add up to)."""
     shown = [(s, s.cycle_breakdown) for s in summaries]
     shown = [(s, ms) for s, ms in shown if ms is not None]

@@ -342,7 +342,7 @@ def _phase(name: str) -> Figure:
 
 
 def breakdown_table(overall: list[Summary]) -> list[Table]:
-    """Executed runs of families that time their steps' phases (Method.cycle_breakdown), beside the speedups."""
+    """Executed runs of families that time their steps' phases (Reports.cycle_breakdown), beside the speedups."""
     found = [(s, s.cycle_breakdown) for s in overall]
     found = [(s, ms) for s, ms in found if ms is not None]
     if not found:

@@ -43,7 +43,7 @@ from methods.draft_module import DrafterKind
 
 @dataclass
 class TrainConfig:
-    drafters: list[DrafterKind]  # each family's (its objective.py), from Method.training_specs
+    drafters: list[DrafterKind]  # each family's (its objective.py), from Trains.training_specs
     model: str = "smollm2-135m"
     tokens: int = 1_000_000  # target tokens through the teacher
     epochs: int = 1  # passes over those tokens; later passes read the teacher's outputs from the feature cache
