@@ -5,7 +5,6 @@ import json
 from dataclasses import fields
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import methods  # noqa: F401  (fills the registry)
@@ -13,28 +12,17 @@ from harness.bench.config import RunConfig, validate
 from harness.cli import main
 from harness.runtime.errors import HarnessError
 from methods import base
-from methods.base import REGISTRY, Generation, Method, Timer, parse_params
+from methods.autoregressive import Autoregressive
+from methods.base import REGISTRY, Method, parse_params
 from methods.capabilities import (ChecksParity, Drafted, HFPeer, Imports, Reports, SelfChecks, Serves, Simulates,
                                   Trains)
 
 
 class Bare(Method):
-    """Greedy decoding written against the contract alone: a name and `generate`."""
+    """A method written against the contract alone: a name and `generate` (AR's loop, which needs nothing else)."""
 
     name = "bare"
-
-    def generate(self, prompt_ids, max_new_tokens, sampler) -> Generation:
-        target, timer = self.target, Timer(self.target.device)
-        target.reset()
-        with timer("prefill"):
-            logits, _ = target.forward(torch.tensor(prompt_ids), start=0, last=True)
-        output = [int(sampler.next_token(logits[-1]))]
-        with timer("decode"):
-            while len(output) < max_new_tokens and output[-1] not in self.stop_ids:
-                logits, _ = target.forward(torch.tensor([output[-1]]), start=len(prompt_ids) + len(output) - 1)
-                output.append(int(sampler.next_token(logits[-1])))
-        return Generation(output_ids=output, steps=len(output) - 1, accepted=[1] * (len(output) - 1),
-                          timing=timer.totals)
+    generate = Autoregressive.generate
 
 
 @pytest.fixture
